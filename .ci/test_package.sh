@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Test one package in isolation: build its wheel (and the wheels of the mg packages it
+# declares), install them into a virtual environment that holds only those wheels and their
+# declared dependencies (plus the package's `test` extra), and run tests/<import_name> there.
+# A test that imports an undeclared package fails here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pkg="$1"
+dev=.venv/bin/python
+dist=dist/$pkg
+venv=.venvs/$pkg
+
+# Transitive closure of mg siblings named in the package's pyproject.
+needed=("$pkg")
+queue=("$pkg")
+while ((${#queue[@]})); do
+  cur=${queue[0]}; queue=("${queue[@]:1}")
+  for dep in $(grep -o '"mg-[a-z]*' "packages/$cur/pyproject.toml" | tr -d '"' | sort -u); do
+    [[ "$dep" == "$cur" ]] && continue
+    if [[ ! " ${needed[*]} " =~ " $dep " ]]; then needed+=("$dep"); queue+=("$dep"); fi
+  done
+done
+
+rm -rf "$dist"; mkdir -p "$dist"
+for p in "${needed[@]}"; do
+  $dev -m pip wheel -q --no-deps --no-build-isolation "packages/$p" -w "$dist" >/dev/null
+done
+
+# Recreate the venv when any involved pyproject or the constraints change.
+key=$(cat constraints.txt $(for p in "${needed[@]}"; do echo "packages/$p/pyproject.toml"; done) | sha256sum | cut -c1-16)
+if [[ ! -f "$venv/.key" || "$(cat "$venv/.key")" != "$key" ]]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv" 2>/dev/null || .venv/bin/python -m venv --without-pip "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+  fresh=1
+else
+  fresh=0
+fi
+main_whl=$(ls "$dist"/$(echo "$pkg" | tr - _)-*.whl)
+others=()
+for f in "$dist"/*.whl; do [[ "$f" != "$main_whl" ]] && others+=("$f"); done
+"$venv/bin/python" -m pip install -q -c constraints.txt --force-reinstall --no-deps "$main_whl" "${others[@]}"
+"$venv/bin/python" -m pip install -q -c constraints.txt "${main_whl}[test]" "${others[@]}"
+echo "$key" > "$venv/.key"
+
+imp=$(echo "$pkg" | tr - _)
+echo "== $pkg (isolated: ${needed[*]}; fresh venv: $fresh)"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "tests/$imp"

@@ -1,0 +1,38 @@
+# Two commands: `make demo` and `make test`. Both create and reuse .venv by themselves.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PACKAGES := mg-parallel mg-models mg-data mg-ckpt mg-cli
+INSTALL_INPUTS := constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
+
+.PHONY: demo test lint test-packages test-e2e venv clean
+
+venv: $(STAMP)
+
+$(STAMP): $(INSTALL_INPUTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(MAKE) lint
+	$(MAKE) test-packages
+	$(MAKE) test-e2e
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# Each package alone: its wheel in a fresh venv with only its declared dependencies.
+test-packages: $(STAMP)
+	@for p in $(PACKAGES); do bash .ci/test_package.sh $$p || exit 1; done
+
+test-e2e: $(STAMP)
+	$(VENV)/bin/pytest tests/e2e
+
+clean:
+	rm -rf $(VENV) .venvs dist build

@@ -1,0 +1,17 @@
+"""The installed distribution: version and declared dependencies."""
+
+import importlib.metadata as md
+import re
+
+import mg_models
+
+
+def test_version_matches_metadata():
+    assert mg_models.__version__ == md.version("mg-models")
+
+
+def test_siblings_are_minimum_versions_not_pins():
+    for req in md.requires("mg-models") or []:
+        if req.startswith("mg-"):
+            spec = req.split(";")[0]
+            assert ">=" in spec and "==" not in spec, req
