@@ -1,3 +1,8 @@
-"""Megatron-style tensor, sequence, pipeline and data parallelism, ZeRO optimizer and mixed precision for your own PyTorch model."""
+"""Megatron-style tensor, sequence, pipeline and data parallelism, ZeRO optimizer and mixed precision
+for your own PyTorch model."""
 
 __version__ = "0.1.0"
+
+from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
+
+__all__ = ["ParallelDims", "ProcessGrid", "build_grid", "__version__"]
