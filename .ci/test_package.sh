@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkg="$1"
+# Run quietly; on failure show pip's output (minus the mirror's noise about absent pages).
+quiet() { local out; if ! out=$("$@" 2>&1); then echo "$out" | grep -v 'is ignored: it is neither' >&2; return 1; fi; }
 dev=.venv/bin/python
 dist=dist/$pkg
 venv=.venvs/$pkg
@@ -23,7 +25,7 @@ done
 
 rm -rf "$dist"; mkdir -p "$dist"
 for p in "${needed[@]}"; do
-  $dev -m pip wheel -q --no-deps --no-build-isolation "packages/$p" -w "$dist" >/dev/null
+  quiet $dev -m pip wheel -q --no-deps --no-build-isolation "packages/$p" -w "$dist"
 done
 
 # Recreate the venv when any involved pyproject or the constraints change.
@@ -31,7 +33,7 @@ key=$(cat constraints.txt $(for p in "${needed[@]}"; do echo "packages/$p/pyproj
 if [[ ! -f "$venv/.key" || "$(cat "$venv/.key")" != "$key" ]]; then
   rm -rf "$venv"
   python3 -m venv "$venv" 2>/dev/null || .venv/bin/python -m venv --without-pip "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+  quiet "$venv/bin/python" -m pip install -q --upgrade pip
   fresh=1
 else
   fresh=0
@@ -39,8 +41,8 @@ fi
 main_whl=$(ls "$dist"/$(echo "$pkg" | tr - _)-*.whl)
 others=()
 for f in "$dist"/*.whl; do [[ "$f" != "$main_whl" ]] && others+=("$f"); done
-"$venv/bin/python" -m pip install -q -c constraints.txt --force-reinstall --no-deps "$main_whl" "${others[@]}"
-"$venv/bin/python" -m pip install -q -c constraints.txt "${main_whl}[test]" "${others[@]}"
+quiet "$venv/bin/python" -m pip install -q -c constraints.txt --force-reinstall --no-deps "$main_whl" "${others[@]}"
+quiet "$venv/bin/python" -m pip install -q -c constraints.txt "${main_whl}[test]" "${others[@]}"
 echo "$key" > "$venv/.key"
 
 imp=$(echo "$pkg" | tr - _)
