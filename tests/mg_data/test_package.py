@@ -1,7 +1,6 @@
 """The installed distribution: version and declared dependencies."""
 
 import importlib.metadata as md
-import re
 
 import mg_data
 

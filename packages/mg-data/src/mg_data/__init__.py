@@ -1,3 +1,41 @@
 """Megatron-compatible indexed datasets, fast preprocessing, sample datasets with cached indices, blending and a resumable sampler."""
 
 __version__ = "0.1.0"
+
+from mg_data.blended import BlendedDataset, build_blending_indices
+from mg_data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets, make_sample, parse_blend
+from mg_data.indexed import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    inspect_dataset,
+    optimal_dtype,
+)
+from mg_data.jsonl import BadLineError
+from mg_data.preprocess import PreprocessConfig, PreprocessSummary, ProgressInfo, run_preprocess
+from mg_data.sampler import GlobalBatchSampler
+from mg_data.tokenizers import Tokenizer, build_tokenizer, train_sentencepiece
+
+__all__ = [
+    "BadLineError",
+    "BlendedDataset",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "GlobalBatchSampler",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "IndexedDatasetError",
+    "PreprocessConfig",
+    "PreprocessSummary",
+    "ProgressInfo",
+    "Tokenizer",
+    "build_blending_indices",
+    "build_gpt_datasets",
+    "build_tokenizer",
+    "inspect_dataset",
+    "make_sample",
+    "optimal_dtype",
+    "parse_blend",
+    "run_preprocess",
+    "train_sentencepiece",
+]

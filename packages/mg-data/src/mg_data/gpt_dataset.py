@@ -1,0 +1,208 @@
+"""GPT sample datasets: fixed-length samples drawn across document boundaries, with cached indices."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mg_data.blended import BlendedDataset
+from mg_data.gpt_indices import build_gpt_indices, parse_split, split_ranges
+from mg_data.index_cache import cached_arrays, fingerprint
+from mg_data.indexed import IndexedDataset
+
+_INDEX_VERSION = 1
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(kw_only=True)
+class GPTDatasetConfig:
+    """How GPT samples are cut, shuffled, split, masked and cached."""
+
+    seq_length: int
+    """Tokens per sample fed to the model; each sample reads seq_length + 1 tokens."""
+    seed: int = 1234
+    """Seed of document and sample shuffling."""
+    split: str = "969,30,1"
+    """Train/valid/test weights over documents (contiguous document ranges)."""
+    cache_dir: str | None = None
+    """Directory of cached index files; None builds them in memory every time."""
+    shuffle: bool = True
+    """False serves documents and samples in corpus order (debugging)."""
+    reset_position_ids: bool = False
+    """Restart position ids after every end-of-document token."""
+    reset_attention_mask: bool = False
+    """Forbid attention across end-of-document tokens (returns ``attention_mask``)."""
+    eod_mask_loss: bool = False
+    """Zero the loss mask where the input token is the end-of-document token."""
+    create_attention_mask: bool = False
+    """Return a causal ``attention_mask`` even without reset_attention_mask."""
+    eod_id: int | None = None
+    """End-of-document id; required by reset_position_ids, reset_attention_mask and eod_mask_loss."""
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
+        parse_split(self.split)
+        if (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss) and self.eod_id is None:
+            raise ValueError("eod_id is required by reset_position_ids/reset_attention_mask/eod_mask_loss; "
+                             "pass the tokenizer's eod id")
+
+
+class GPTDataset:
+    """Samples of ``seq_length + 1`` consecutive tokens from a range of documents of a corpus.
+
+    ``ds[i]`` is a dict of numpy arrays of length ``seq_length``: ``tokens`` (int64), ``labels``
+    (int64, tokens shifted by one), ``loss_mask`` (float32), ``position_ids`` (int64) and, when
+    configured, ``attention_mask`` (bool, shape (1, S, S), True where attention is NOT allowed,
+    Megatron's convention). ``len(ds)`` covers whole epochs, so it may exceed ``num_samples``.
+
+    Args:
+        indexed: the corpus.
+        document_range: ``[start, end)`` of the documents this split uses.
+        num_samples: samples needed (None: one epoch).
+        config: the dataset options.
+        name: split name used in cache file names.
+
+    Raises:
+        ValueError: the range holds fewer than ``seq_length + 1`` tokens.
+    """
+
+    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int | None,
+                 config: GPTDatasetConfig, name: str = "train") -> None:
+        self.indexed, self.config, self.name = indexed, config, name
+        d0, d1 = document_range
+        di = indexed.document_indices
+        self.sequence_range = (int(di[d0]), int(di[d1]))
+        s0, s1 = self.sequence_range
+        lengths = np.asarray(indexed.sequence_lengths[s0:s1])
+        key = fingerprint(_INDEX_VERSION, lengths, s0, config.seq_length, config.seed, num_samples, config.shuffle)
+        stem = f"gpt-{os.path.basename(indexed.prefix)}-{name}"
+        arrays, self.built_index = cached_arrays(
+            config.cache_dir, stem, key, ("document_index", "sample_index", "shuffle_index"),
+            lambda: build_gpt_indices(lengths, s0, config.seq_length, num_samples, config.seed, config.shuffle),
+            {"prefix": indexed.prefix, "split": name, "sequences": [s0, s1], "num_samples": num_samples,
+             "seq_length": config.seq_length, "seed": config.seed})
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self.cache_key = key
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def sample_tokens(self, i: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of unshuffled sample ``i`` (int64)."""
+        (j0, o0), (j1, o1) = self.sample_index[i], self.sample_index[i + 1]
+        j0, o0, j1, o1 = int(j0), int(o0), int(j1), int(o1)
+        get, doc = self.indexed.get, self.document_index
+        if j0 == j1:
+            return get(int(doc[j0]), o0, o1 - o0 + 1).astype(np.int64)
+        parts = [get(int(doc[j0]), o0)]
+        parts += [get(int(doc[j])) for j in range(j0 + 1, j1)]
+        parts.append(get(int(doc[j1]), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        """Sample ``idx`` of the shuffled order (see the class docstring for the keys)."""
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range [0, {len(self)}) of {self.name} split")
+        text = self.sample_tokens(int(self.shuffle_index[idx]))
+        return make_sample(text, self.config)
+
+
+def make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarray]:
+    """Inputs, labels and masks from ``seq_length + 1`` tokens (as Megatron's left-to-right masks)."""
+    tokens, labels = text[:-1], text[1:]
+    s = len(tokens)
+    loss_mask = np.ones(s, dtype=np.float32)
+    eod = config.eod_id
+    is_eod = tokens == eod if eod is not None else np.zeros(s, dtype=bool)
+    if config.eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    # segment[i] = number of EOD tokens strictly before position i
+    segment = np.concatenate(([0], np.cumsum(is_eod[:-1]))) if s else np.zeros(0, np.int64)
+    if config.reset_position_ids and is_eod.any():
+        starts = np.concatenate(([0], np.flatnonzero(is_eod[:-1]) + 1))
+        position_ids = np.arange(s, dtype=np.int64) - starts[segment]
+    else:
+        position_ids = np.arange(s, dtype=np.int64)
+    out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if config.reset_attention_mask or config.create_attention_mask:
+        allowed = np.tri(s, dtype=bool)
+        if config.reset_attention_mask:
+            allowed &= segment[:, None] == segment[None, :]
+        out["attention_mask"] = ~allowed[None]
+    return out
+
+
+def parse_blend(blend: Sequence[str | float]) -> tuple[list[str], list[float]]:
+    """Megatron's ``[w1, prefix1, w2, prefix2, ...]`` (or ``[prefix]``) as (prefixes, normalised weights).
+
+    Raises:
+        ValueError: odd length, a non-numeric weight, a negative weight or a zero sum.
+    """
+    items = [str(x) for x in blend]
+    if len(items) == 1:
+        return items, [1.0]
+    if len(items) % 2:
+        raise ValueError(f"blend {items} must be 'weight prefix' pairs or a single prefix")
+    try:
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        raise ValueError(f"blend {items}: every other entry must be a weight") from None
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"blend {items}: weights must be non-negative with a positive sum")
+    return items[1::2], [w / sum(weights) for w in weights]
+
+
+def build_gpt_datasets(config: GPTDatasetConfig, blend: Sequence[str | float] | None = None,
+                       num_samples: Sequence[int | None] = (None, None, None), *,
+                       blend_per_split: Sequence[Sequence[str | float] | None] | None = None
+                       ) -> list[GPTDataset | BlendedDataset | None]:
+    """Train/valid/test datasets from one blend cut by ``config.split``, or one blend per split.
+
+    Args:
+        config: dataset options.
+        blend: ``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]``; each prefix is split by documents.
+        num_samples: samples needed per split (None: one epoch of each component).
+        blend_per_split: three blends (or None entries) used whole, without ``config.split``.
+
+    Returns:
+        Three datasets (None for a split with zero weight or no blend); a ``BlendedDataset`` when a
+        blend has several prefixes.
+    """
+    if (blend is None) == (blend_per_split is None):
+        raise ValueError("pass exactly one of blend and blend_per_split")
+    out: list[GPTDataset | BlendedDataset | None] = []
+    weights = parse_split(config.split)
+    for s, name in enumerate(SPLIT_NAMES):
+        if blend_per_split is not None:
+            this = blend_per_split[s]
+            if not this:
+                out.append(None)
+                continue
+            prefixes, mix = parse_blend(this)
+            ranges = None
+        else:
+            if weights[s] == 0:
+                out.append(None)
+                continue
+            prefixes, mix = parse_blend(blend)  # type: ignore[arg-type]
+            ranges = weights
+        parts = []
+        n = num_samples[s]
+        if len(prefixes) > 1 and n is None:
+            raise ValueError(f"{name}: a blend of several datasets needs num_samples for that split")
+        counts = BlendedDataset.required_samples(mix, n) if len(prefixes) > 1 else [n]
+        for p, count in zip(prefixes, counts):
+            ds = IndexedDataset(p)
+            rng = (0, ds.num_documents) if ranges is None else split_ranges(ds.num_documents, ranges)[s]
+            parts.append(GPTDataset(ds, rng, count, config, name))
+        if len(parts) == 1:
+            out.append(parts[0])
+        else:
+            out.append(BlendedDataset(parts, mix, n, cache_dir=config.cache_dir, name=name))  # type: ignore[arg-type]
+    return out

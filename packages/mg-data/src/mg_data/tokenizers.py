@@ -1,0 +1,348 @@
+"""Tokenizers behind one small interface, selected from a file or a Megatron tokenizer name.
+
+``build_tokenizer(path, type=None)`` infers the kind from the file: a SentencePiece ``.model``,
+a Hugging Face ``tokenizer.json`` (needs the ``hf`` extra), a GPT-2 ``vocab.json`` with a
+``merges.txt`` beside it (``hf`` extra). ``ByteTokenizer`` and ``NullTokenizer`` need no file.
+``train_sentencepiece`` trains a SentencePiece model on JSONL input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+
+from mg_data.jsonl import iter_json_texts
+
+
+class Tokenizer:
+    """Interface: vocabulary size, special ids (None when absent), encode/decode, batch encode."""
+
+    name: str = "tokenizer"
+    vocab_size: int
+    eod: int | None = None
+    bos: int | None = None
+    pad: int | None = None
+    mask: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text; implementations use the library's batched path when it has one."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def _none_if_negative(i: int) -> int | None:
+    return None if i < 0 else int(i)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model file. ``eod`` is the model's ``eos_id()``.
+
+    Args:
+        model_path: the ``.model`` file.
+        num_threads: threads SentencePiece uses inside ``encode_batch``.
+    """
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_path: str | os.PathLike[str], num_threads: int = 1) -> None:
+        self.model_path = os.fspath(model_path)
+        self.num_threads = num_threads
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{self.model_path}: not a loadable SentencePiece model ({e})") from None
+        self.vocab_size = int(self.sp.get_piece_size())
+        self.eod = _none_if_negative(self.sp.eos_id())
+        self.bos = _none_if_negative(self.sp.bos_id())
+        self.pad = _none_if_negative(self.sp.pad_id())
+        mask = self.sp.piece_to_id("<mask>")
+        self.mask = None if mask == self.sp.unk_id() else int(mask)
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), num_threads=self.num_threads)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
+
+
+def _require_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("Hugging Face tokenizers are not installed; run `pip install mg-data[hf]`") from None
+    return tokenizers
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (or a directory holding one), via the ``tokenizers`` library.
+
+    ``eod`` is the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>`` ... found in
+    the vocabulary, or ``eod_token`` when given. Requires the ``hf`` extra.
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, path: str | os.PathLike[str], eod_token: str | None = None) -> None:
+        tokenizers = _require_tokenizers()
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        self.path = os.fspath(p)
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as e:  # the Rust side raises a bare Exception subclass
+            raise ValueError(f"{self.path}: not a loadable Hugging Face tokenizer.json ({e})") from None
+        self._init_specials(eod_token)
+
+    def _init_specials(self, eod_token: str | None) -> None:
+        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        if eod_token is not None:
+            if self.tok.token_to_id(eod_token) is None:
+                raise ValueError(f"eod_token {eod_token!r} is not in the vocabulary")
+            cands: tuple[str, ...] = (eod_token,)
+        else:
+            cands = _EOD_CANDIDATES
+        self.eod = next((self.tok.token_to_id(t) for t in cands if self.tok.token_to_id(t) is not None), None)
+        self.bos = next((self.tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>", "<bos>")
+                         if self.tok.token_to_id(t) is not None), None)
+        self.pad = next((self.tok.token_to_id(t) for t in ("<pad>", "[PAD]", "<|pad|>")
+                         if self.tok.token_to_id(t) is not None), None)
+        self.mask = next((self.tok.token_to_id(t) for t in ("<mask>", "[MASK]")
+                          if self.tok.token_to_id(t) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt`` (``hf`` extra); eod ``<|endoftext|>``."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str | os.PathLike[str], merges_file: str | os.PathLike[str] | None = None
+                 ) -> None:
+        tokenizers = _require_tokenizers()
+        vocab_file = os.fspath(vocab_file)
+        merges = os.fspath(merges_file) if merges_file else os.path.join(os.path.dirname(vocab_file),
+                                                                           "merges.txt")
+        if not os.path.isfile(merges):
+            raise ValueError(f"{merges}: merges file not found; pass merges_file= for {vocab_file}")
+        self.path = vocab_file
+        bpe = tokenizers.models.BPE.from_file(vocab_file, merges)
+        tok = tokenizers.Tokenizer(bpe)
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        self.tok = tok
+        self._init_specials("<|endoftext|>" if tok.token_to_id("<|endoftext|>") is not None else None)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, ``eod`` 256, ``bos`` 257, ``pad`` 258; vocabulary 259 (tests, debugging)."""
+
+    name = "ByteTokenizer"
+
+    def __init__(self) -> None:
+        self.vocab_size, self.eod, self.bos, self.pad = 259, 256, 257, 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron's null tokenizer: text is space-separated integer ids; ``eod`` is ``vocab_size``."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive for NullTokenizer, got {vocab_size}")
+        self.vocab_size = vocab_size + 1
+        self.eod = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError(f"NullTokenizer input must be space-separated integers, got {text[:40]!r}"
+                             ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+_TYPE_ALIASES = {
+    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
+    "llama2tokenizer": "sentencepiece", "sentencepiece": "sentencepiece", "sp": "sentencepiece",
+    "huggingfacetokenizer": "hf", "hf": "hf", "huggingface": "hf",
+    "gpt2bpetokenizer": "gpt2", "gpt2": "gpt2",
+    "nulltokenizer": "null", "null": "null", "bytetokenizer": "byte", "byte": "byte",
+}
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Picklable recipe for a tokenizer, so worker processes can rebuild it."""
+
+    path: str | None
+    type: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Tokenizer:
+        """The tokenizer this spec describes (see ``build_tokenizer``)."""
+        return build_tokenizer(self.path, self.type, **self.kwargs)
+
+
+def infer_tokenizer_type(path: str | os.PathLike[str]) -> str:
+    """Kind of tokenizer file: ``sentencepiece``, ``hf`` or ``gpt2``.
+
+    Raises:
+        ValueError: the file is missing or of no recognised kind.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return "hf"
+        if (p / "tokenizer.model").is_file():
+            return "sentencepiece"
+        raise ValueError(f"{p}: directory holds neither tokenizer.json nor tokenizer.model")
+    if not p.is_file():
+        raise ValueError(f"{p}: tokenizer file not found")
+    if p.suffix == ".model":
+        return "sentencepiece"
+    if p.suffix == ".json":
+        try:
+            with open(p, encoding="utf-8") as f:
+                head = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{p}: unreadable JSON ({e})") from None
+        if isinstance(head, dict) and "model" in head:
+            return "hf"
+        if isinstance(head, dict):
+            return "gpt2"
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic[:1] == b"\n":  # serialized ModelProto starts with field 1 (pieces), wire type 2
+        return "sentencepiece"
+    raise ValueError(f"{p}: cannot tell the tokenizer type; pass --tokenizer-type")
+
+
+def build_tokenizer(path: str | os.PathLike[str] | None, type: str | None = None, **kwargs: Any
+                    ) -> Tokenizer:
+    """Build a tokenizer from a file, inferring its type unless ``type`` is given.
+
+    Args:
+        path: ``.model`` (SentencePiece), ``tokenizer.json`` or its directory (Hugging Face),
+            ``vocab.json`` (GPT-2 BPE, ``merges.txt`` beside it or ``merges_file=``); None for
+            ``NullTokenizer``/``ByteTokenizer``.
+        type: Megatron's names (``SentencePieceTokenizer``, ``HuggingFaceTokenizer``,
+            ``GPT2BPETokenizer``, ``NullTokenizer``) or ``sentencepiece``/``hf``/``gpt2``/``null``/``byte``.
+        kwargs: passed to the tokenizer class (``num_threads``, ``vocab_size``, ``merges_file``,
+            ``eod_token``).
+
+    Raises:
+        ValueError: unknown type, missing file, or a file that is not of the type.
+    """
+    if type is None:
+        if path is None:
+            raise ValueError("a tokenizer path is needed unless --tokenizer-type is NullTokenizer/ByteTokenizer")
+        kind = infer_tokenizer_type(path)
+    else:
+        kind = _TYPE_ALIASES.get(type.lower().replace("-", "").replace("_", ""))
+        if kind is None:
+            raise ValueError(f"unknown tokenizer type {type!r}; use one of SentencePieceTokenizer, "
+                             "HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer, ByteTokenizer")
+    if kind == "null":
+        return NullTokenizer(kwargs.get("vocab_size", 0))
+    if kind == "byte":
+        return ByteTokenizer()
+    if path is None:
+        raise ValueError(f"tokenizer type {type} needs a tokenizer model path")
+    if kind == "sentencepiece":
+        p = Path(path)
+        return SentencePieceTokenizer(p / "tokenizer.model" if p.is_dir() else p, **kwargs)
+    if kind == "hf":
+        return HuggingFaceTokenizer(path, **kwargs)
+    return GPT2BPETokenizer(path, **kwargs)
+
+
+def _training_lines(inputs: Sequence[str], json_keys: Sequence[str], max_line_bytes: int) -> Iterator[str]:
+    # SentencePiece drops "sentences" longer than max_sentence_length, so documents are fed line by line.
+    for text in iter_json_texts(inputs, json_keys):
+        for line in text.split("\n"):
+            line = line.strip()
+            if line and len(line.encode("utf-8")) <= max_line_bytes:
+                yield line
+
+
+def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: str | os.PathLike[str], *,
+                        vocab_size: int, model_type: str = "bpe", json_keys: Sequence[str] = ("text",),
+                        byte_fallback: bool = True, character_coverage: float = 0.9995,
+                        input_sentence_size: int = 1_000_000, num_threads: int = 1,
+                        pad_id: int = -1, user_defined_symbols: Sequence[str] = (),
+                        max_sentence_length: int = 4192, seed_sentencepiece_size: int = 1_000_000,
+                        extra_options: dict[str, Any] | None = None) -> str:
+    """Train a SentencePiece model on the ``json_keys`` texts of JSONL files (.gz/.zst allowed).
+
+    Documents are fed line by line; at most ``input_sentence_size`` lines are sampled. Ids:
+    unk 0, bos 1, eos 2 (the end-of-document id preprocessing appends), pad ``pad_id``.
+
+    Returns:
+        The path of the written ``MODEL_PREFIX.model`` (a ``.vocab`` is written beside it).
+
+    Raises:
+        ValueError: bad argument or input files without any text (from SentencePiece's message).
+    """
+    if model_type not in ("bpe", "unigram", "char", "word"):
+        raise ValueError(f"model_type must be bpe, unigram, char or word, got {model_type!r}")
+    if vocab_size < 8:
+        raise ValueError(f"vocab_size must be at least 8, got {vocab_size}")
+    prefix = os.fspath(model_prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    files = [os.fspath(p) for p in inputs]
+    options: dict[str, Any] = dict(
+        model_prefix=prefix, vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback,
+        character_coverage=character_coverage, input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True, num_threads=num_threads, unk_id=0, bos_id=1, eos_id=2, pad_id=pad_id,
+        max_sentence_length=max_sentence_length, seed_sentencepiece_size=seed_sentencepiece_size,
+        minloglevel=2,
+    )
+    if user_defined_symbols:
+        options["user_defined_symbols"] = list(user_defined_symbols)
+    options.update(extra_options or {})
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_training_lines(files, json_keys, max_sentence_length), **options)
+    except RuntimeError as e:
+        raise ValueError(f"SentencePiece training on {files[:3]} failed: {e}") from None
+    return prefix + ".model"
