@@ -13,7 +13,10 @@ import click
 from mg_cli import __version__
 
 # name -> ("module:attribute", one-line help shown by `mg --help`)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("mg_cli.commands.train:train", "Pretrain a model from a YAML config, on one or many processes."),
+    "plot": ("mg_cli.commands.plot:plot", "Render a run's loss and throughput curves to a PNG."),
+}
 
 
 class LazyGroup(click.Group):

@@ -1,0 +1,81 @@
+"""``mg plot LOGDIR``: loss, validation loss and throughput curves from metrics.jsonl as a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Parse ``metrics.jsonl`` (one JSON object per line); a torn last line is ignored.
+
+    Raises:
+        click.ClickException: the file is missing or a line other than the last is not JSON.
+    """
+    if not path.is_file():
+        raise click.ClickException(f"{path} does not exist; pass the log.dir of a run (it holds metrics.jsonl)")
+    rows = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):  # a run killed mid-write: everything before it is intact
+                break
+            raise click.ClickException(f"{path} line {i} is not valid JSON") from None
+    return rows
+
+
+def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
+    """Draw loss (train and validation) and tokens/s against iteration into ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "loss" in r and "iteration" in r]
+    val = [r for r in rows if "val_loss" in r and "iteration" in r]
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax_loss.plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
+    if val:
+        ax_loss.plot([r["iteration"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax_loss.set_xlabel("iteration")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    tps = [r for r in train if r.get("tokens_per_s")]
+    if tps:
+        ax_tps.plot([r["iteration"] for r in tps], [r["tokens_per_s"] for r in tps], lw=1, color="tab:green")
+    ax_tps.set_xlabel("iteration")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+@click.command("plot")
+@click.argument("logdir", type=click.Path(path_type=Path))
+@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+              help="PNG to write (default: LOGDIR/curves.png).")
+def plot(logdir: Path, output: Path | None) -> None:
+    """Render loss / validation loss / throughput curves of a run to a PNG.
+
+    \b
+    Example:
+      mg plot runs/demo            # writes runs/demo/curves.png
+    """
+    rows = read_metrics(logdir / "metrics.jsonl")
+    if not rows:
+        raise click.ClickException(f"{logdir / 'metrics.jsonl'} holds no logged iterations yet")
+    out = plot_metrics(rows, output or logdir / "curves.png", title=str(logdir))
+    click.echo(str(out))

@@ -1,0 +1,73 @@
+"""``mg train``: pretrain a model from a YAML config, on one or many processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("train", context_settings={"show_default": True})
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="YAML run configuration (sections model, parallel, train, optim, data, eval, checkpoint, log).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one config key (repeatable); the value is parsed as YAML and type-checked.")
+@click.option("--resume", is_flag=True, help="Resume from the latest checkpoint under checkpoint.save.")
+@click.option("--nproc-per-node", type=int, default=1, help="Processes to start on this node (torch.distributed.run).")
+@click.option("--nnodes", type=int, default=1, help="Number of nodes (multi-node: run this command on every node).")
+@click.option("--node-rank", type=int, default=0, help="This node's rank among --nnodes.")
+@click.option("--master-addr", default=None, help="Address of node 0 for the rendezvous.")
+@click.option("--master-port", type=int, default=None, help="Port on node 0 for the rendezvous.")
+@click.option("--list-keys", is_flag=True, help="Print every config key with its default and help, then exit.")
+@click.option("--print-config", is_flag=True, help="Print the resolved config and exit.")
+def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, nproc_per_node: int, nnodes: int,
+          node_rank: int, master_addr: str | None, master_port: int | None, list_keys: bool, print_config: bool) -> None:
+    """Pretrain a model described by a YAML config.
+
+    dp is derived from the world size: processes / (tp x pp).
+
+    \b
+    Examples:
+      mg train --config examples/tiny_gpt.yaml
+      mg train --config run.yaml --set parallel.tp=2 --nproc-per-node 2
+      mg train --config run.yaml --resume                      # continue from checkpoint.save's latest
+      torchrun --nproc-per-node 8 -m mg_cli.main train --config run.yaml
+      srun python -m mg_cli.main train --config run.yaml       # MASTER_ADDR/PORT exported
+    """
+    from mg_cli.config import ConfigError, describe, load_config
+
+    if list_keys:
+        click.echo(describe())
+        return
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if print_config:
+        click.echo(config.to_yaml(), nl=False)
+        return
+    if resume and not (config.checkpoint.load or config.checkpoint.save):
+        raise click.ClickException("--resume needs checkpoint.save (or checkpoint.load) in the config")
+
+    from mg_cli import launch
+
+    if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher():
+        argv = ["train"]
+        if config_path is not None:
+            argv += ["--config", str(config_path)]
+        for o in overrides:
+            argv += ["--set", o]
+        if resume:
+            argv.append("--resume")
+        code = launch.relaunch(argv, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                               master_addr=master_addr, master_port=master_port)
+        sys.exit(code)
+    launch.adopt_slurm_env()
+
+    from mg_cli.training import TrainingError, run_training
+
+    try:
+        run_training(config, resume=resume)
+    except (TrainingError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
