@@ -1,3 +1,40 @@
-"""Sharded safetensors checkpoints that reshard on load, save atomically and asynchronously, and never unpickle."""
+"""Sharded safetensors checkpoints that reshard on load, save atomically and asynchronously, and never unpickle.
+
+Public API:
+
+* :class:`ShardedTensor` — this rank's piece (block or flat range of a block) of a global tensor;
+* :func:`save_checkpoint` / :class:`SaveHandle` / :func:`finalize` — collective, atomic, optionally
+  asynchronous save into ``save_dir/iter_{N:07d}`` with a ``latest`` pointer and retention;
+* :func:`load_checkpoint` — fill a state template from a checkpoint saved at any layout;
+* :func:`inspect_checkpoint` — describe (and verify) a checkpoint without loading it;
+* :func:`write_hf_safetensors` / :func:`iter_hf_safetensors` — streaming Hugging Face style
+  sharded safetensors directories;
+* :class:`CheckpointError` — every load/save failure, naming the file and tensor at fault.
+"""
 
 __version__ = "0.1.0"
+
+from mg_ckpt.errors import CheckpointError
+from mg_ckpt.hf import iter_hf_safetensors, read_hf_index, write_hf_safetensors
+from mg_ckpt.inspect import CheckpointReport, inspect_checkpoint
+from mg_ckpt.load import load_checkpoint
+from mg_ckpt.metadata import checkpoint_dir, latest_iteration, list_checkpoints
+from mg_ckpt.save import SaveHandle, finalize, save_checkpoint
+from mg_ckpt.sharded import ShardedTensor
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointReport",
+    "SaveHandle",
+    "ShardedTensor",
+    "checkpoint_dir",
+    "finalize",
+    "inspect_checkpoint",
+    "iter_hf_safetensors",
+    "latest_iteration",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_hf_index",
+    "save_checkpoint",
+    "write_hf_safetensors",
+]

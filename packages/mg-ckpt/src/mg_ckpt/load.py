@@ -1,0 +1,240 @@
+"""Loading with resharding: each rank reads exactly the global slices its current layout needs.
+
+Every saved piece and every wanted piece is turned into boxes of global coordinates (flat ranges
+become up to ``2 * ndim - 1`` contiguous boxes); each non-empty intersection of a wanted box with
+a saved box is one lazy ``safe_open(...).get_slice`` read copied into a view of the local tensor.
+Only safetensors and JSON are ever parsed (no pickle).
+
+Verification (``verify=True``) checks every shard file's size and SHA-256 against
+``metadata.json``. In a multi-rank load the files are split over the ranks, hashed in a background
+thread while the slices are read, and the outcome is shared, so all ranks raise the same error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mg_ckpt import _dist
+from mg_ckpt._io import file_sha256, member_path
+from mg_ckpt.errors import CheckpointError
+from mg_ckpt.metadata import read_metadata, resolve_checkpoint
+from mg_ckpt.save import finalize
+from mg_ckpt.sharded import Box, ShardedTensor, flat_range_to_boxes, intersect
+
+__all__ = ["load_checkpoint", "verify_files"]
+
+
+def verify_files(ckpt: str, meta: Mapping[str, Any], names: list[str] | None = None) -> None:
+    """Check size and SHA-256 of the shard files ``names`` (default: all) against the metadata.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or corrupted file.
+    """
+    for fname in sorted(meta["files"]) if names is None else names:
+        info = meta["files"][fname]
+        path = member_path(ckpt, fname, os.path.join(ckpt, "metadata.json"))
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: shard file is missing") from None
+        if size != info["size"]:
+            raise CheckpointError(f"{path}: has {size} bytes but metadata.json records {info['size']} (truncated or replaced)")
+        if file_sha256(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: SHA-256 checksum mismatch (file corrupted); restore it or load another checkpoint")
+
+
+def _targets(value: ShardedTensor) -> list[tuple[Box, torch.Tensor]]:
+    # Boxes of the wanted piece, each with a writable view into the local tensor.
+    if value.flat_range is None:
+        return [(Box(value.global_offset, value.local_shape), value.local)]
+    if not value.local.is_contiguous():
+        raise ValueError("load_checkpoint: a ShardedTensor with flat_range needs a contiguous local tensor")
+    flat = value.local.view(-1)
+    return [(b, flat[b.flat_start : b.flat_start + b.numel].view(b.shape)) for b in value.boxes()]
+
+
+def _sources(piece: Mapping[str, Any]) -> list[Box]:
+    # Saved boxes; flat_start is the index in the stored 1-D tensor (flat pieces) or 0 (blocks).
+    off, shape, fr = tuple(piece["offset"]), tuple(piece["shape"]), piece["flat_range"]
+    if fr is None:
+        return [Box(off, shape)]
+    return [
+        Box(tuple(o + s for o, s in zip(off, b.start)), b.shape, b.flat_start - fr[0])
+        for b in flat_range_to_boxes(fr[0], fr[1], shape)
+    ]
+
+
+class _Reader:
+    """Open shard files lazily and check each stored tensor's shape/dtype against the metadata."""
+
+    def __init__(self, ckpt: str, meta: Mapping[str, Any]) -> None:
+        self.ckpt, self.meta = ckpt, meta
+        self.files: dict[str, Any] = {}
+        self.slices: dict[tuple[str, str], Any] = {}
+
+    def slice(self, name: str, piece: Mapping[str, Any]) -> Any:
+        fname, key = piece["file"], piece["key"]
+        if (fname, key) in self.slices:
+            return self.slices[(fname, key)]
+        path = member_path(self.ckpt, fname, os.path.join(self.ckpt, "metadata.json"))
+        if fname not in self.files:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: shard file is missing (needed for tensor {name!r})")
+            size = os.path.getsize(path)
+            if size != self.meta["files"][fname]["size"]:
+                raise CheckpointError(
+                    f"{path}: has {size} bytes but metadata.json records {self.meta['files'][fname]['size']} "
+                    f"(truncated or replaced; needed for tensor {name!r})"
+                )
+            try:
+                self.files[fname] = safe_open(path, framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+        try:
+            sl = self.files[fname].get_slice(key)
+        except Exception:
+            raise CheckpointError(f"{path}: tensor {key!r} (for {name!r}) is not in the file") from None
+        fr = piece["flat_range"]
+        want = [fr[1] - fr[0]] if fr is not None else list(piece["shape"])
+        if list(sl.get_shape()) != want or sl.get_dtype() != self.meta["tensors"][name]["dtype"]:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} is {sl.get_dtype()}{list(sl.get_shape())} but metadata.json says "
+                f"{self.meta['tensors'][name]['dtype']}{want}"
+            )
+        self.slices[(fname, key)] = sl
+        return sl
+
+
+def _read_box(sl: Any, src: Box, flat: bool, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The sub-box ``[start, start+shape)`` (global coordinates) of saved box ``src``."""
+    rel = [s - o for s, o in zip(start, src.start)]
+    if not src.shape:  # a scalar: stored as shape [] (block) or [1] (flat)
+        return sl[...] if not flat else sl[:].view(())
+    if not flat:
+        return sl[tuple(slice(r, r + n) for r, n in zip(rel, shape))]
+    # src is contiguous in the stored 1-D tensor: read whole rows of its first dim, then narrow the rest.
+    inner = math.prod(src.shape[1:])
+    lo = src.flat_start + rel[0] * inner
+    rows = sl[lo : lo + shape[0] * inner].view(shape[0], *src.shape[1:])
+    return rows[(slice(None), *(slice(r, r + n) for r, n in zip(rel[1:], shape[1:])))]
+
+
+def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Reader) -> None:
+    covered = 0
+    targets = _targets(value)
+    for piece in entry["pieces"]:
+        flat = piece["flat_range"] is not None
+        for src in _sources(piece):
+            for tgt, view in targets:
+                hit = intersect(tgt, src)
+                if hit is None:
+                    continue
+                start, shape = hit
+                data = _read_box(reader.slice(name, piece), src, flat, start, shape)
+                dst = view[tuple(slice(s - t, s - t + n) for s, t, n in zip(start, tgt.start, shape))]
+                dst.copy_(data.view(dst.shape))
+                covered += math.prod(shape)
+    want = sum(b.numel for b, _ in targets)
+    if covered != want:
+        raise CheckpointError(
+            f"{reader.ckpt}: tensor {name!r}: the checkpoint's pieces cover {covered} of the {want} elements "
+            f"this rank needs (inconsistent metadata)"
+        )
+
+
+def load_checkpoint(
+    path: str,
+    state_template: Mapping[str, torch.Tensor | ShardedTensor],
+    *,
+    verify: bool = True,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Fill the tensors of ``state_template`` in place from a checkpoint saved at any parallel layout.
+
+    Collective when ``torch.distributed`` is initialised. Each rank reads only the global slices
+    its own pieces cover; values are cast to the template's dtype. On error the template's
+    contents are unspecified.
+
+    Args:
+        path: a checkpoint directory (``.../iter_N``) or a save directory (its ``latest`` is used).
+        state_template: name -> tensor (the whole global tensor) or :class:`ShardedTensor` (this
+            rank's piece, described as when saving) to fill.
+        verify: check every shard file's size and SHA-256 (split over ranks) before returning.
+        strict: a template name missing from the checkpoint is an error; otherwise it is left
+            untouched and a warning names it.
+
+    Returns:
+        The ``extra`` training state given to :func:`save_checkpoint` (with ``"iteration"`` set).
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``; missing/corrupted/truncated shard files;
+            malicious or inconsistent metadata; a tensor missing (strict) or of another global
+            shape — naming the file and tensor. All ranks raise when any rank fails.
+    """
+    finalize()
+    grp = _dist.group()
+    rank, world = _dist.rank(), _dist.world_size()
+    error: str | None = None
+    verify_error: list[str] = []
+    checker: threading.Thread | None = None
+    reader: _Reader | None = None
+    extra: dict[str, Any] = {}
+    try:
+        ckpt = resolve_checkpoint(path)
+        meta = read_metadata(ckpt)
+        extra = dict(meta["state"])
+        extra.setdefault("iteration", meta["iteration"])
+        if verify:
+            mine = [f for i, f in enumerate(sorted(meta["files"])) if i % world == rank]
+
+            def check() -> None:
+                try:
+                    verify_files(ckpt, meta, mine)
+                except CheckpointError as e:
+                    verify_error.append(str(e))
+
+            checker = threading.Thread(target=check, name="mg-ckpt-verify", daemon=True)
+            checker.start()
+        reader = _Reader(ckpt, meta)
+        missing = []
+        for name, v in state_template.items():
+            value = v if isinstance(v, ShardedTensor) else ShardedTensor(v, tuple(v.shape))
+            entry = meta["tensors"].get(name)
+            if entry is None:
+                missing.append(name)
+                continue
+            if list(value.global_shape) != entry["shape"]:
+                raise CheckpointError(
+                    f"{ckpt}: tensor {name!r} has global shape {entry['shape']} in the checkpoint but "
+                    f"{list(value.global_shape)} in the model; check the model config matches the checkpoint"
+                )
+            with torch.no_grad():
+                _fill(name, value, entry, reader)
+        if missing:
+            msg = f"{ckpt}: tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} are not in the checkpoint"
+            if strict:
+                raise CheckpointError(msg + " (pass strict=False to skip them)")
+            warnings.warn(msg + "; left unchanged", stacklevel=2)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:
+        error = f"loading {path} failed on rank {rank}: {e!r}"
+    finally:
+        if checker is not None:
+            checker.join()
+        if reader is not None:
+            reader.files.clear()
+    if error is None and verify_error:
+        error = verify_error[0]
+    errors = [e for e in _dist.all_gather(error, grp) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
+    return extra

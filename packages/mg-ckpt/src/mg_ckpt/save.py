@@ -1,0 +1,358 @@
+"""Saving: plan who writes which piece, write shards into a hidden directory, commit atomically.
+
+Protocol (every rank, collectively when ``torch.distributed`` is initialised):
+
+1. wait for the previous asynchronous save (re-raising its failure);
+2. all-gather each rank's piece descriptions; every rank derives the same plan: for each
+   distinct piece, the ranks holding it are its replicas and one of them (spread by a hash of
+   the tensor name) writes it;
+3. rank 0 removes stale ``.tmp_iter_*``/``.trash_*`` directories and creates ``.tmp_iter_N``;
+4. each rank copies the pieces it writes to CPU memory (asynchronous saves only, or for device
+   tensors) and writes ``rank_RRRRR.safetensors``, fsync'ed, hashing it as it goes;
+5. the file sizes/checksums are all-gathered; rank 0 writes ``metadata.json`` (fsync), fsyncs the
+   directory, renames it to ``iter_N``, fsyncs the save directory, then atomically replaces
+   ``latest`` and applies retention; the outcome is broadcast so every rank raises on failure.
+
+Steps 4-5 run in a background thread for ``async_save=True``; the commit then happens as soon as
+every rank's writes are done, without waiting for the main thread (the coordination group is a
+dedicated gloo group, see :mod:`mg_ckpt._dist`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import shutil
+import threading
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mg_ckpt import _dist
+from mg_ckpt._io import dtype_name, fsync_dir, write_safetensors
+from mg_ckpt.errors import CheckpointError
+from mg_ckpt.metadata import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    checkpoint_dir,
+    list_checkpoints,
+    temp_dir,
+    validate_metadata,
+    write_latest,
+)
+from mg_ckpt.sharded import ShardedTensor
+
+__all__ = ["SaveHandle", "finalize", "save_checkpoint"]
+
+# Test hook for crash injection: called with the name of each commit step (see _step).
+_fault_hook: Callable[[str], None] | None = None
+_PENDING: list[SaveHandle] = []
+
+
+def _step(name: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(name)
+
+
+class SaveHandle:
+    """A save in progress (asynchronous) or done (synchronous).
+
+    ``wait()`` blocks until the checkpoint is committed and re-raises any failure of the
+    background write or commit (on every call, so it cannot be lost).
+    """
+
+    def __init__(self, path: str, iteration: int) -> None:
+        self.path = path
+        """Final directory of the checkpoint (``save_dir/iter_N``)."""
+        self.iteration = iteration
+        """The iteration saved."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the save finished (committed or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the checkpoint is committed.
+
+        Raises:
+            CheckpointError: the write or commit failed on this or another rank.
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, CheckpointError):
+                raise self._error
+            raise CheckpointError(f"saving {self.path} failed: {self._error!r}") from self._error
+
+
+def finalize() -> None:
+    """Wait for every pending asynchronous save (call before exit or before reading checkpoints).
+
+    Raises:
+        CheckpointError: the first failed pending save (the others are still waited for).
+    """
+    first: BaseException | None = None
+    while _PENDING:
+        handle = _PENDING.pop(0)
+        try:
+            handle.wait()
+        except CheckpointError as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+atexit.register(finalize)
+
+
+def _describe(name: str, value: torch.Tensor | ShardedTensor) -> ShardedTensor:
+    if isinstance(value, ShardedTensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ShardedTensor(value, tuple(value.shape))
+    raise ValueError(f"save_checkpoint: state[{name!r}] must be a torch.Tensor or ShardedTensor, got {type(value).__name__}")
+
+
+def _plan(descs: list[list[tuple]], ckpt: str) -> tuple[dict[str, Any], dict[int, list[str]]]:
+    """From every rank's descriptors: the metadata ``tensors`` table and, per rank, the names it writes."""
+    tensors: dict[str, Any] = {}
+    holders: dict[tuple, list[int]] = {}
+    declared: dict[tuple, int] = {}
+    for r, rank_descs in enumerate(descs):
+        for name, gshape, dtype, off, lshape, fr, nrep in rank_descs:
+            t = tensors.setdefault(name, {"shape": list(gshape), "dtype": dtype, "pieces": []})
+            if t["shape"] != list(gshape) or t["dtype"] != dtype:
+                raise CheckpointError(
+                    f"saving {ckpt}: tensor {name!r} is {t['dtype']}{t['shape']} on one rank but "
+                    f"{dtype}{list(gshape)} on rank {r}; every rank must describe the same global tensor"
+                )
+            piece = (name, tuple(off), tuple(lshape), fr)
+            holders.setdefault(piece, []).append(r)
+            declared[piece] = max(declared.get(piece, 1), nrep)
+    writes: dict[int, list[str]] = {}
+    for piece, ranks in holders.items():
+        name, off, lshape, fr = piece
+        if declared[piece] > 1 and len(ranks) != declared[piece]:
+            raise CheckpointError(
+                f"saving {ckpt}: piece of {name!r} at offset {list(off)} is held by ranks {ranks} but declared "
+                f"num_replicas={declared[piece]}; fix the ShardedTensor replica description"
+            )
+        writer = ranks[zlib.crc32(f"{name}|{off}|{fr}".encode()) % len(ranks)]
+        writes.setdefault(writer, []).append(name)
+        tensors[name]["pieces"].append(
+            {
+                "file": _shard_name(writer),
+                "key": name,
+                "offset": list(off),
+                "shape": list(lshape),
+                "flat_range": list(fr) if fr is not None else None,
+            }
+        )
+    for r, names in writes.items():
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise CheckpointError(f"saving {ckpt}: rank {r} holds several pieces of {dup}; use one state key per piece")
+    return tensors, writes
+
+
+def _shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def _snapshot(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format) if copy or not t.is_contiguous() else t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    state: Mapping[str, torch.Tensor | ShardedTensor],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> SaveHandle:
+    """Save ``state`` as checkpoint ``save_dir/iter_{iteration:07d}`` and point ``save_dir/latest`` at it.
+
+    Collective when ``torch.distributed`` is initialised (every rank calls it with its own
+    ``state``; ``save_dir`` must be a file system shared by all ranks); works in one process too.
+
+    Args:
+        save_dir: root directory holding ``iter_*`` checkpoints and ``latest``.
+        iteration: number of completed iterations the state corresponds to (Megatron numbering).
+        state: name -> plain tensor (replicated: identical on every rank holding it) or
+            :class:`ShardedTensor` (this rank's piece of a global tensor).
+        extra: JSON-able training state (iteration counters, scheduler, RNG states as numbers or
+            lists, sampler, config), returned by :func:`load_checkpoint`. Taken from rank 0.
+        layout: JSON-able description of the parallel layout saved from (recorded, informative).
+        async_save: copy the state to CPU memory and write it in a background thread; call
+            ``handle.wait()``, :func:`finalize`, or the next save/load waits for it.
+        keep_last: after committing, delete all but this many newest checkpoints (by iteration;
+            the one just saved is always kept). ``None`` keeps everything.
+
+    Returns:
+        A :class:`SaveHandle` (already finished unless ``async_save``).
+
+    Raises:
+        ValueError: bad arguments (negative iteration, non-JSON ``extra``, bad ``keep_last``).
+        CheckpointError: inconsistent descriptions across ranks, or a write/commit failure
+            (for asynchronous saves, raised by ``wait()``).
+    """
+    finalize()
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"save_checkpoint: iteration must be a non-negative int, got {iteration!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"save_checkpoint: keep_last must be None or an int >= 1, got {keep_last!r}")
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
+        layout_json = json.loads(json.dumps(dict(layout or {}), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra/layout must be JSON-serialisable (lists, numbers, strings): {e}") from e
+
+    grp = _dist.group()
+    rank, world = _dist.rank(), _dist.world_size()
+    ckpt, tmp = checkpoint_dir(save_dir, iteration), temp_dir(save_dir, iteration)
+    pieces = {name: _describe(name, v) for name, v in state.items()}
+    mine = [
+        (name, p.global_shape, dtype_name(p.local.dtype), p.global_offset, p.local_shape, p.flat_range, p.num_replicas)
+        for name, p in pieces.items()
+        if p.flat_range is None or p.flat_range[0] < p.flat_range[1]
+    ]
+    tensors, writes = _plan(_dist.all_gather(mine, grp), ckpt)
+    validate_metadata(_metadata(iteration, {}, tensors, {}, {}, world, files_placeholder=True), ckpt)
+
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        _clean_stale(save_dir)
+        os.makedirs(tmp)
+    _dist.barrier(grp)
+
+    items = [(name, _snapshot(pieces[name].local, copy=async_save)) for name in writes.get(rank, [])]
+    if any(t.is_pinned() for _, t in items):
+        torch.cuda.current_stream().synchronize()  # the pinned copies were issued non_blocking
+    handle = SaveHandle(ckpt, iteration)
+
+    def finish() -> None:
+        try:
+            _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra_json, layout_json, world, rank, grp, keep_last)
+        except BaseException as e:  # re-raised by wait(); never swallowed
+            handle._error = e
+
+    if async_save:
+        handle._thread = threading.Thread(target=finish, name=f"mg-ckpt-save-{iteration}")
+        handle._thread.start()
+        _PENDING.append(handle)
+    else:
+        finish()
+        handle.wait()
+    return handle
+
+
+def _metadata(iteration, state, tensors, layout, files, world, files_placeholder=False) -> dict[str, Any]:
+    if files_placeholder:
+        files = {p["file"]: {"size": 0, "sha256": ""} for t in tensors.values() for p in t["pieces"]}
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "iteration": iteration,
+        "world_size": world,
+        "layout": layout,
+        "state": state,
+        "files": files,
+        "tensors": tensors,
+    }
+
+
+def _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra, layout, world, rank, grp, keep_last) -> None:
+    result: Any
+    try:
+        result = None
+        if items:
+            info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items)
+            result = (_shard_name(rank), {"size": info.size, "sha256": info.sha256})
+        _step("after_shard")
+    except BaseException as e:
+        result = f"rank {rank} failed writing {tmp}/{_shard_name(rank)}: {e!r}"
+    items.clear()  # release the CPU copies as soon as they are on disk
+    gathered = _dist.all_gather(result, grp)
+    outcome: str | None = None
+    if rank == 0:
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            outcome = "; ".join(errors)
+        else:
+            try:
+                files = dict(g for g in gathered if g is not None)
+                meta = _metadata(iteration, extra, tensors, layout, files, world)
+                with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+                    json.dump(meta, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_dir(tmp)
+                _step("before_rename")
+                _commit(save_dir, tmp, ckpt)
+                _step("after_rename")
+                write_latest(save_dir, iteration)
+                _step("after_latest")
+                if keep_last is not None:
+                    _retain(save_dir, iteration, keep_last)
+            except BaseException as e:
+                outcome = f"committing {ckpt} failed: {e!r}"
+    outcome = _dist.broadcast(outcome, grp)
+    if outcome is not None:
+        raise CheckpointError(f"saving checkpoint {ckpt}: {outcome}")
+
+
+def _commit(save_dir: str, tmp: str, ckpt: str) -> None:
+    if os.path.exists(ckpt):
+        # Re-saving an iteration: move the old one aside first; rename cannot replace a non-empty dir.
+        trash = os.path.join(save_dir, f".trash_{os.path.basename(ckpt)}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(ckpt, trash)
+        os.rename(tmp, ckpt)
+        fsync_dir(save_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, ckpt)
+        fsync_dir(save_dir)
+
+
+def _clean_stale(save_dir: str) -> None:
+    for name in os.listdir(save_dir):
+        if name.startswith((".tmp_iter_", ".trash_")):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def _retain(save_dir: str, just_saved: int, keep_last: int) -> None:
+    others = [it for it in list_checkpoints(save_dir) if it != just_saved]
+    doomed = others[: max(0, len(others) - (keep_last - 1))]
+    for it in doomed:
+        path = checkpoint_dir(save_dir, it)
+        # Rename first so that a crash mid-deletion never leaves a half-deleted iter_N that looks valid.
+        trash = os.path.join(save_dir, f".trash_{os.path.basename(path)}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    if doomed:
+        fsync_dir(save_dir)
+
+
+def state_bytes(state: Mapping[str, torch.Tensor | ShardedTensor]) -> int:
+    """Bytes held locally by ``state`` (for logging and benchmarks)."""
+    total = 0
+    for name, v in state.items():
+        t = _describe(name, v).local
+        total += math.prod(t.shape) * t.element_size()
+    return total
