@@ -364,11 +364,13 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
     done_stats: dict[int, dict[str, Any]] = {}
     run_docs = run_bytes = 0
 
+    errors: list[dict[str, Any]] = []
+
     def finished(stats: dict[str, Any], resumed: bool) -> None:
         nonlocal run_docs, run_bytes
         if "error" in stats:
-            rel, reason = stats["error"]
-            raise BadLineError(stats["path"], _absolute_line(stats, rel), reason)
+            errors.append(stats)
+            return
         done_stats[stats["index"]] = stats
         if resumed:
             summary.partitions_resumed += 1
@@ -383,6 +385,8 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
 
     def pending() -> Iterator[_Task]:
         for task in task_list:
+            if errors:
+                return
             marker = _marker(parts_dir, task.index)
             if os.path.exists(marker):
                 with open(marker) as f:
@@ -412,6 +416,11 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
                     fut.cancel()
                 raise
 
+    if errors:
+        # Partitions are submitted in order, so the first bad line is in the lowest failing one.
+        first = min(errors, key=lambda st: st["index"])
+        rel, reason = first["error"]
+        raise BadLineError(first["path"], _absolute_line(first, rel), reason)
     order = sorted(done_stats)
     level = config.level
     dtype = optimal_dtype(config.tokenizer_spec().build().vocab_size)

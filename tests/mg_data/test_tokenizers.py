@@ -1,0 +1,89 @@
+"""Tokenizer interface: SentencePiece, Hugging Face tokenizer.json, GPT-2 BPE files, null/byte; type inference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sentencepiece as spm
+import tokenizers as hft
+
+from mg_data.tokenizers import (
+    ByteTokenizer,
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    infer_tokenizer_type,
+)
+
+TEXT = "def main(argv):\n    return sorted(argv)  # ok"
+
+
+def test_sentencepiece_matches_library_and_eod_is_eos(sp_model):
+    tok = build_tokenizer(sp_model)
+    ref = spm.SentencePieceProcessor(model_file=sp_model)
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert tok.vocab_size == ref.get_piece_size() == 1000
+    assert tok.eod == ref.eos_id() == 2 and tok.bos == 1 and tok.pad is None
+    assert tok.encode(TEXT) == ref.encode(TEXT)
+    assert tok.encode_batch([TEXT, "x = 1"]) == [ref.encode(TEXT), ref.encode("x = 1")]
+    assert tok.decode(tok.encode("x = 1")) == ref.decode(ref.encode("x = 1"))
+    assert build_tokenizer(sp_model, "SentencePieceTokenizer").encode(TEXT) == ref.encode(TEXT)
+
+
+def _train_hf(corpus_path, out_dir):
+    texts = [json.loads(line)["text"] for line in open(corpus_path)][:50]
+    tok = hft.Tokenizer(hft.models.BPE(unk_token=None))
+    tok.pre_tokenizer = hft.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = hft.decoders.ByteLevel()
+    trainer = hft.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=hft.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    tok.model.save(str(out_dir))  # vocab.json + merges.txt: the GPT-2 file pair
+    return tok
+
+
+def test_hf_and_gpt2_files(corpus, tmp_path):
+    ref = _train_hf(corpus, tmp_path)
+    hf = build_tokenizer(tmp_path / "tokenizer.json")
+    assert isinstance(hf, HuggingFaceTokenizer)
+    assert hf.encode(TEXT) == ref.encode(TEXT, add_special_tokens=False).ids
+    assert hf.eod == ref.token_to_id("<|endoftext|>")
+    assert hf.decode(hf.encode(TEXT)) == TEXT
+    assert isinstance(build_tokenizer(tmp_path), HuggingFaceTokenizer)  # a directory with tokenizer.json
+    gpt2 = build_tokenizer(tmp_path / "vocab.json")
+    assert isinstance(gpt2, GPT2BPETokenizer)
+    assert gpt2.encode(TEXT) == hf.encode(TEXT) and gpt2.eod == hf.eod
+    assert gpt2.encode_batch([TEXT, "a"]) == [hf.encode(TEXT), hf.encode("a")]
+    assert build_tokenizer(tmp_path / "vocab.json", "GPT2BPETokenizer").encode("a b") == hf.encode("a b")
+
+
+def test_null_and_byte_tokenizers():
+    null = build_tokenizer(None, "NullTokenizer", vocab_size=100)
+    assert isinstance(null, NullTokenizer) and null.eod == 100 and null.vocab_size == 101
+    assert null.encode("3 4  5") == [3, 4, 5] and null.decode([3, 4]) == "3 4"
+    byte = build_tokenizer(None, "byte")
+    assert isinstance(byte, ByteTokenizer)
+    assert byte.encode("é") == list("é".encode()) and byte.decode(byte.encode("héllo")) == "héllo"
+
+
+def test_errors_name_the_problem(tmp_path, sp_model):
+    with pytest.raises(ValueError, match="unknown tokenizer type 'Foo'"):
+        build_tokenizer(sp_model, "Foo")
+    with pytest.raises(ValueError, match="not found"):
+        build_tokenizer(tmp_path / "missing.model")
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="junk.model: not a loadable SentencePiece model"):
+        build_tokenizer(junk)
+    other = tmp_path / "x.bin"
+    other.write_bytes(b"\x00\x01")
+    with pytest.raises(ValueError, match="cannot tell the tokenizer type"):
+        infer_tokenizer_type(other)
+    with pytest.raises(ValueError, match="merges file not found"):
+        (tmp_path / "v").mkdir()
+        (tmp_path / "v" / "vocab.json").write_text("{}")
+        build_tokenizer(tmp_path / "v" / "vocab.json")
