@@ -1,0 +1,56 @@
+"""``mg tokenizer``: train and try tokenizers."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group("tokenizer")
+def tokenizer() -> None:
+    """Train a SentencePiece tokenizer on JSONL text, or encode text with one."""
+
+
+@tokenizer.command("train", context_settings={"show_default": True})
+@click.option("--input", "inputs", multiple=True, required=True, help="JSONL input files (repeatable).")
+@click.option("--output-prefix", required=True, help="Writes PREFIX.model and PREFIX.vocab.")
+@click.option("--vocab-size", type=int, default=8000)
+@click.option("--model-type", type=click.Choice(["bpe", "unigram", "char", "word"]), default="bpe")
+@click.option("--json-keys", default="text", help="Comma-separated JSON keys holding text.")
+@click.option("--byte-fallback/--no-byte-fallback", default=True, help="Encode unknown characters as bytes.")
+@click.option("--max-lines", type=int, default=1_000_000, help="Lines sampled for training.")
+@click.option("--threads", type=int, default=2)
+def train(inputs: tuple[str, ...], output_prefix: str, vocab_size: int, model_type: str, json_keys: str,
+          byte_fallback: bool, max_lines: int, threads: int) -> None:
+    """Train a SentencePiece model (ids: unk 0, bos 1, eos 2 = end of document).
+
+    \b
+    Example:
+      mg tokenizer train --input corpus.jsonl --output-prefix tok --vocab-size 8000
+    """
+    from mg_data import train_sentencepiece
+
+    try:
+        path = train_sentencepiece(
+            list(inputs), output_prefix, vocab_size=vocab_size, model_type=model_type,
+            json_keys=[k.strip() for k in json_keys.split(",") if k.strip()], byte_fallback=byte_fallback,
+            input_sentence_size=max_lines, num_threads=threads,
+        )
+    except (ValueError, OSError, RuntimeError) as e:
+        raise click.ClickException(str(e).splitlines()[0]) from None
+    click.echo(path)
+
+
+@tokenizer.command("encode")
+@click.option("--tokenizer-model", required=True, help="Tokenizer file.")
+@click.argument("text")
+def encode(tokenizer_model: str, text: str) -> None:
+    """Print the token ids of TEXT (and the round-trip decode)."""
+    from mg_data import build_tokenizer
+
+    try:
+        tok = build_tokenizer(tokenizer_model)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e).splitlines()[0]) from None
+    ids = tok.encode(text)
+    click.echo(" ".join(map(str, ids)))
+    click.echo(tok.decode(ids))
