@@ -1,0 +1,176 @@
+"""The transformer configuration shared by the GPT family (GPT-2 and Llama styles).
+
+One dataclass describes every architectural choice; the layer spec (:mod:`mg_models.spec`)
+turns it into modules. Parallel layout is *not* part of the config: the same config builds a
+model at any tp/pp, and :func:`check_parallel` says whether a given layout fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["GPTConfig", "check_parallel"]
+
+_POSITION_EMBEDDINGS = ("learned", "rope", "none")
+_NORMALIZATIONS = ("layernorm", "rmsnorm")
+_ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Architecture of a decoder-only transformer language model (pre-norm, causal)."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Number of query heads."""
+    vocab_size: int
+    """Tokenizer vocabulary size (unpadded); padding for tensor parallelism is internal."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head (multi-head)."""
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; None means 4 * hidden_size."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the model accepts (size of the learned position table)."""
+    position_embedding: str = "learned"
+    """"learned" (GPT-2 absolute positions), "rope" (rotary, Llama) or "none"."""
+    rotary_base: float = 10000.0
+    """Rotary base (theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that are rotated (the leading ones)."""
+    normalization: str = "layernorm"
+    """"layernorm" or "rmsnorm"."""
+    norm_eps: float = 1e-5
+    """Epsilon of every normalisation layer."""
+    activation: str = "gelu"
+    """"gelu" (exact), "gelu_tanh" (GPT-2's approximation) or "swiglu" (gated SiLU, Llama)."""
+    add_bias_linear: bool = True
+    """Biases on the attention and MLP linear layers."""
+    add_qkv_bias: bool | None = None
+    """Bias on the fused QKV projection only; None follows add_bias_linear."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head (same norm type as the model) before attention."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embedding output and on each residual branch."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    sliding_window: int | None = None
+    """Attend only to the last this-many positions (Mistral); None for full causal attention."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    scaled_output_init: bool = True
+    """Scale output-projection init by 1/sqrt(2*num_layers) (GPT-2/Megatron)."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this; tp must divide the padded size."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"model.{name} must be a positive integer or None, got {value!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}; change one of them or set model.kv_channels explicitly"
+            )
+        groups = self.query_groups
+        if groups > self.num_attention_heads or self.num_attention_heads % groups != 0:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_query_groups="
+                f"{groups}; num_query_groups must divide the number of heads (1 = multi-query, heads = multi-head)"
+            )
+        if self.position_embedding not in _POSITION_EMBEDDINGS:
+            raise ValueError(f"model.position_embedding={self.position_embedding!r}; use one of {_POSITION_EMBEDDINGS}")
+        if self.normalization not in _NORMALIZATIONS:
+            raise ValueError(f"model.normalization={self.normalization!r}; use one of {_NORMALIZATIONS}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}; use one of {_ACTIVATIONS}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.position_embedding == "rope" and self.rotary_dim % 2 != 0:
+            raise ValueError(
+                f"model.rotary_percent={self.rotary_percent} gives an odd rotary dimension {self.rotary_dim} "
+                f"(head dim {self.head_dim}); choose a percent giving an even number of dimensions"
+            )
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.norm_eps <= 0 or self.init_method_std <= 0 or self.rotary_base <= 0:
+            raise ValueError("model.norm_eps, model.init_method_std and model.rotary_base must be positive")
+
+    @property
+    def query_groups(self) -> int:
+        """Number of key/value heads (num_query_groups, defaulting to the number of heads)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP inner width."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of rotated dimensions per head."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV projection has a bias."""
+        return self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp, so checkpoints reshard)."""
+        m = self.make_vocab_size_divisible_by
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable) for checkpoints and configs."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**d)
+
+
+def check_parallel(config: GPTConfig, tp: int, pp: int = 1) -> None:
+    """Check that a tp/pp layout fits ``config``.
+
+    Raises:
+        ValueError: naming the config field that tp or pp does not divide.
+    """
+    checks = [
+        ("model.num_attention_heads", config.num_attention_heads),
+        ("model.num_query_groups", config.query_groups),
+        ("model.ffn_hidden_size", config.ffn_size),
+        ("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size),
+    ]
+    for what, value in checks:
+        if value % tp != 0:
+            raise ValueError(
+                f"{what}={value} is not divisible by parallel.tp={tp}; choose a tp that divides it or change {what}"
+            )
+    if config.num_layers < pp:
+        raise ValueError(f"model.num_layers={config.num_layers} is smaller than parallel.pp={pp}; use fewer stages")

@@ -1,0 +1,266 @@
+"""GPTModel: a decoder-only language model (GPT-2 and Llama styles) on mg-parallel layers.
+
+The same config builds the model at any tensor/sequence/pipeline layout:
+
+* the word embedding is vocab-parallel, every linear is column/row-parallel and the head feeds the
+  vocab-parallel cross entropy, so logits over the full vocabulary never exist on one rank;
+* a pipeline stage is ``GPTModel(config, grid, pre_process=first, post_process=last,
+  layer_range=(a, b))``; non-first stages take their input from :meth:`GPTModel.set_input_tensor`;
+* parameter values derive from ``(seed, global parameter name)``, so any layout of the same seed
+  holds slices of the same global tensors.
+
+With tied embeddings and pp > 1 the last stage holds its own ``output_layer.weight``, initialised
+exactly like ``embedding.word_embeddings.weight``; both carry ``shared_embedding=True`` so the
+optimizer wrapper all-reduces their grads over the embedding group (Megatron's scheme).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mg_models.config import GPTConfig, check_parallel
+from mg_models.init import normal_init
+from mg_models.layers import RotaryEmbedding
+from mg_models.spec import BuildContext, ModuleSpec
+from mg_models.transformer import TransformerBlock
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask"]
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class GPTEmbedding(nn.Module):
+    """Word (+ learned position) embeddings and dropout: ids [b, s] -> hidden [s(/tp), b, h]."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        c = ctx.config
+        self.ctx = ctx
+        self.word_embeddings = VocabParallelEmbedding(
+            c.padded_vocab_size, c.hidden_size, tp_group=ctx.tp_group, sequence_parallel=False,
+            init_method=normal_init(ctx.seed, WORD_EMBEDDING, c.init_method_std), dtype=ctx.dtype, device=ctx.device)
+        self.position_embeddings = None
+        if c.position_embedding == "learned":
+            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=ctx.dtype,
+                                                    device=ctx.device)
+            normal_init(ctx.seed, "embedding.position_embeddings.weight", c.init_method_std)(
+                self.position_embeddings.weight)
+        self.dropout = c.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids.t())  # [s, b, h], replicated over tp
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids.t())
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h]
+            if self.training and self.dropout > 0:
+                with self.ctx.tp_rng():
+                    x = F.dropout(x, self.dropout, training=True)
+        elif self.training and self.dropout > 0:
+            x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection onto this rank's vocabulary shard: hidden [s(/tp), b, h] -> logits [s, b, V_pad/tp].
+
+    ``weight`` is either borrowed (tied to the word embedding on the same stage) or owned
+    (``self.weight``, shape ``[V_pad/tp, h]``, sharded along dim 0).
+    """
+
+    def __init__(self, ctx: BuildContext, init_name: str | None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        if init_name is not None:
+            c = ctx.config
+            full = torch.empty(c.padded_vocab_size, c.hidden_size, dtype=torch.float32)
+            normal_init(ctx.seed, init_name, c.init_method_std)(full)
+            shard = full.chunk(ctx.tp_size, dim=0)[ctx.tp_rank].clone()
+            self.weight = nn.Parameter(shard.to(device=ctx.device, dtype=ctx.dtype or torch.float32))
+            self.weight.tensor_parallel = True
+            self.weight.partition_dim = 0
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ctx.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
+        else:
+            x = copy_to_tp_region(x, self.ctx.tp_group)
+        return F.linear(x, self.weight if weight is None else weight)
+
+
+def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: torch.Tensor | None,
+                         sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean attention mask [b, 1, q_len, offset + q_len] (True = attend), or None when plain causal works.
+
+    Queries are at positions ``offset .. offset+q_len-1``; ``attention_mask`` [b, offset+q_len]
+    marks real (1) and padding (0) keys. Every query may attend to itself, so padded rows never
+    see an empty softmax (their outputs are ignored).
+    """
+    k_len = offset + q_len
+    needs_window = sliding_window is not None and k_len > sliding_window
+    if attention_mask is None and not needs_window and (offset == 0 or q_len == 1):
+        return None
+    q_pos = torch.arange(offset, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if needs_window:
+        allowed = allowed & (q_pos - k_pos < sliding_window)
+    allowed = allowed[None, None].expand(batch, 1, q_len, k_len)
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, k_len):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [batch, "
+                             f"cached + new tokens] = [{batch}, {k_len}]")
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    return allowed | (k_pos == q_pos)[None, None]
+
+
+class GPTModel(nn.Module):
+    """Decoder-only LM on mg-parallel layers (see module docstring).
+
+    Args:
+        config: the architecture.
+        grid: the process grid (``ProcessGrid.single()`` when None).
+        pre_process: this chunk holds the embedding (first pipeline stage).
+        post_process: this chunk holds the final norm and the output head (last stage).
+        layer_range: global ``(start, end)`` layers held here; None means all.
+        sequence_parallel: split activations between tp regions along the sequence.
+        seed: initialisation seed.
+        rng_tracker: mg_parallel ``RNGTracker`` for dropout on tp-sharded activations.
+        recompute: optional ``fn(layer, *args)`` wrapping each layer in training (activation recompute).
+        dtype: parameter dtype (fp32 when None).
+        layer_spec: override of the layer spec (default :func:`~mg_models.transformer.gpt_layer_spec`).
+
+    Raises:
+        ValueError: the layout does not fit the config (names the field), or a bad layer_range.
+    """
+
+    def __init__(self, config: GPTConfig, grid: ProcessGrid | None = None, *, pre_process: bool = True,
+                 post_process: bool = True, layer_range: tuple[int, int] | None = None,
+                 sequence_parallel: bool = False, seed: int = 1234, rng_tracker: Any = None,
+                 recompute: Any = None, dtype: torch.dtype | None = None,
+                 layer_spec: ModuleSpec | None = None) -> None:
+        super().__init__()
+        grid = grid or ProcessGrid.single()
+        check_parallel(config, grid.tp_size, grid.pp_size)
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= model.num_layers="
+                             f"{config.num_layers}")
+        self.config = config
+        self.grid = grid
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = (start, end)
+        self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
+                                sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
+                                rng_tracker=rng_tracker, device=grid.device, dtype=dtype)
+        self.recompute = recompute
+        self.input_tensor: torch.Tensor | None = None
+        self.gather_logits_default = False
+        """When True, forward returns full unpadded logits unless told otherwise (set by load_pretrained)."""
+
+        self.embedding = GPTEmbedding(self.ctx) if pre_process else None
+        self.rotary = None
+        if config.position_embedding == "rope":
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base, device=grid.device)
+        self.decoder = TransformerBlock(self.ctx, "decoder", self.layer_range, post_process, layer_spec)
+        self.output_layer = None
+        if post_process:
+            tied_here = config.tie_word_embeddings and pre_process
+            init_name = None if tied_here else (WORD_EMBEDDING if config.tie_word_embeddings else "output_layer.weight")
+            self.output_layer = ParallelLMHead(self.ctx, init_name)
+            if config.tie_word_embeddings and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+        if config.tie_word_embeddings and pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Pipeline hook: the hidden states [s(/tp), b, h] this (non-first) stage starts from."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def word_embeddings_weight(self) -> torch.Tensor:
+        """The output head's weight shard [V_pad/tp, h] (the embedding's when tied on this stage)."""
+        if self.output_layer is not None and hasattr(self.output_layer, "weight"):
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                gather_logits: bool | None = None, inference_cache: Any = None,
+                last_token_only: bool = False) -> torch.Tensor:
+        """Run this chunk.
+
+        Args:
+            input_ids: token ids [b, s] (needed on the first stage; elsewhere used for shapes only).
+            position_ids: [b, s]; default ``offset + arange(s)``, or from ``attention_mask`` (left padding).
+            labels: target ids [b, s] (-100 = ignore). When given, the last stage returns the per-token
+                loss [b, s] (fp32; padded vocabulary masked out).
+            attention_mask: [b, offset + s] with 1 for real tokens and 0 for padding; None = no padding.
+            gather_logits: return full-vocabulary logits [b, s, vocab_size] (unpadded) instead of this
+                rank's shard [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
+            inference_cache: an :class:`~mg_models.generation.InferenceCache` for incremental decoding.
+            last_token_only: compute logits for the last position only (s = 1 in the result).
+
+        Returns:
+            Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above).
+        """
+        c = self.config
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("input_ids are required on the first pipeline stage")
+            b, s = input_ids.shape
+        else:
+            if self.input_tensor is None:
+                raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
+            s_local, b = self.input_tensor.shape[:2]
+            s = s_local * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        offset = inference_cache.offset if inference_cache is not None else 0
+        if offset + s > c.max_position_embeddings and c.position_embedding == "learned":
+            raise ValueError(f"sequence length {offset + s} exceeds model.max_position_embeddings="
+                             f"{c.max_position_embeddings}")
+        if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
+            raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
+        device = self.grid.device
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:offset + s]
+            else:
+                position_ids = torch.arange(offset, offset + s, device=device).expand(b, s)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device)
+        x = self.decoder(x, rotary, mask, inference_cache, checkpoint_fn=self.recompute)
+        if inference_cache is not None:
+            inference_cache.advance(s, last_stage=self.post_process)
+        if not self.post_process:
+            return x
+        weight = self.embedding.word_embeddings.weight if not hasattr(self.output_layer, "weight") else None
+        if last_token_only and not self.ctx.sequence_parallel:
+            x = x[-1:]
+        logits = self.output_layer(x, weight)  # [s, b, V_pad/tp]
+        if last_token_only:
+            logits = logits[-1:]
+        if labels is not None:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels.t(), tp_group=self.ctx.tp_group,
+                                                vocab_size=c.vocab_size)
+            return loss.t()  # [b, s]
+        logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
+        if gather_logits is None:
+            gather_logits = self.gather_logits_default
+        if gather_logits:
+            logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]
+        return logits

@@ -1,0 +1,112 @@
+"""Hugging Face checkpoint interoperability without importing ``transformers``.
+
+A Hugging Face directory is ``config.json`` plus ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``). :func:`read_hf_directory` turns one into an mg config and an
+unsharded mg state dict; :func:`write_hf_directory` writes the reverse with exactly Hugging Face's
+tensor names (no separate tensor for tied weights) and a loadable ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mg_models.config import GPTConfig
+from mg_models.hf import gpt2, llama
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "read_hf_directory", "state_from_hf", "state_to_hf",
+           "write_hf_directory"]
+
+SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama}
+# Non-parameter buffers some GPT-2 checkpoints carry (the causal mask); safe to drop.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _adapter(model_type: str, where: str) -> Any:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported: "
+                         f"{sorted(SUPPORTED_MODEL_TYPES)}")
+    return SUPPORTED_MODEL_TYPES[model_type]
+
+
+def config_from_hf(hf_config: dict[str, Any], where: str = "config.json") -> GPTConfig:
+    """GPTConfig from a Hugging Face config dict. Raises ValueError for unsupported models/features."""
+    return _adapter(hf_config.get("model_type", ""), where).config_from_hf(hf_config)
+
+
+def state_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
+    """Unsharded mg state dict from a Hugging Face one.
+
+    Raises:
+        ValueError: tensors missing from, or left over in, the Hugging Face state dict.
+    """
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    adapter = _adapter(model_type, "state_from_hf")
+    try:
+        out = adapter.state_from_hf(hf_state, config)
+    except KeyError as e:
+        raise ValueError(f"checkpoint is missing tensor {e.args[0]!r} required by its config.json") from None
+    used = set(adapter.state_to_hf(out, config))
+    extra = sorted(set(hf_state) - used - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if extra:
+        raise ValueError(f"checkpoint holds tensors mg does not know: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    return out
+
+
+def state_to_hf(mg_state: dict[str, torch.Tensor], config: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict from an unsharded mg one (drops RoPE buffers and the like)."""
+    return _adapter(model_type, "state_to_hf").state_to_hf(mg_state, config)
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(path / f)))
+        return state
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; save the model with "
+                            f"save_pretrained(..., safe_serialization=True)")
+
+
+def read_hf_directory(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+    """Read a Hugging Face model directory -> (mg config, unsharded mg state dict, model_type).
+
+    Raises:
+        FileNotFoundError: no config.json or safetensors weights.
+        ValueError: unsupported architecture or mismatched tensors (message names the file/key).
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
+    hf_config = json.loads(cfg_file.read_text())
+    model_type = hf_config.get("model_type", "")
+    config = config_from_hf(hf_config, where=str(cfg_file))
+    return config, state_from_hf(_load_safetensors(path), config, model_type), model_type
+
+
+def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], config: GPTConfig,
+                       model_type: str = "llama", extra_config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
+
+    ``mg_state`` is an unsharded mg state dict (e.g. ``GPTModel(...).state_dict()`` at tp=1);
+    ``model_type`` is "gpt2", "llama" or "mistral"; ``extra_config`` adds keys such as token ids.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    adapter = _adapter(model_type, "write_hf_directory")
+    hf_config = adapter.config_to_hf(config) if model_type == "gpt2" else adapter.config_to_hf(config, model_type)
+    hf_config.update(extra_config or {})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_to_hf(mg_state, config, model_type).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,148 @@
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` <-> mg GPT: config and tensor mapping.
+
+Hugging Face keeps separate q/k/v and gate/up projections; mg fuses q/k/v in the grouped layout
+(per key/value group: its query heads, then its key, then its value) and keeps gate and up as
+separate column-parallel linears. Hugging Face's q/k rows already use the half-split rotary
+layout that mg uses, so no rotary permutation is needed (see :mod:`mg_models.hf.common` for
+Meta's interleaved layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mg_models.config import GPTConfig
+from mg_models.hf.common import pad_vocab, unpad_vocab
+
+__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf"]
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope scaling type {rope_type!r} is not supported; only default rotary "
+                         f"embeddings are implemented")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    """GPTConfig from a Llama/Mistral ``config.json`` dict.
+
+    Raises:
+        ValueError: a feature mg does not implement (names the config.json key).
+    """
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise ValueError(f"config.json attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported; "
+                         f"mg puts biases on all linears or none")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    return GPTConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), position_embedding="rope",
+        rotary_base=_rope_theta(hf), rotary_percent=float(hf.get("partial_rotary_factor", 1.0)),
+        normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+        add_bias_linear=attn_bias, tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_dropout=hf.get("attention_dropout", 0.0), sliding_window=window,
+    )
+
+
+def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
+    """A Llama (or Mistral, ``model_type="mistral"``) ``config.json`` dict for ``c``.
+
+    Raises:
+        ValueError: ``c`` uses a feature the format cannot express (names the field).
+    """
+    if c.position_embedding != "rope" or c.normalization != "rmsnorm" or c.activation != "swiglu":
+        raise ValueError("only rope + rmsnorm + swiglu models map onto Llama/Mistral")
+    if c.qk_layernorm or c.qkv_bias != c.add_bias_linear or c.rotary_percent != 1.0:
+        raise ValueError("Llama/Mistral export needs no qk_layernorm, uniform biases and rotary_percent=1")
+    if c.sliding_window is not None and model_type != "mistral":
+        raise ValueError("model.sliding_window needs model_type='mistral' on export")
+    out: dict[str, Any] = {
+        "architectures": ["MistralForCausalLM" if model_type == "mistral" else "LlamaForCausalLM"],
+        "model_type": model_type, "hidden_act": "silu",
+        "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.query_groups, "head_dim": c.head_dim, "intermediate_size": c.ffn_size,
+        "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rotary_base},
+        "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.attention_dropout,
+        "initializer_range": c.init_method_std, "use_cache": True, "dtype": "float32",
+    }
+    if model_type == "mistral":
+        out["sliding_window"] = c.sliding_window
+    else:
+        out["attention_bias"] = out["mlp_bias"] = c.add_bias_linear
+    return out
+
+
+def _plain_map(i: int, bias: bool) -> list[tuple[str, str]]:
+    h, m = f"model.layers.{i}", f"decoder.layers.{i}"
+    pairs = [
+        (f"{h}.input_layernorm.weight", f"{m}.input_layernorm.weight"),
+        (f"{h}.post_attention_layernorm.weight", f"{m}.pre_mlp_layernorm.weight"),
+    ]
+    linears = [("self_attn.o_proj", "self_attention.linear_proj"), ("mlp.gate_proj", "mlp.linear_gate"),
+               ("mlp.up_proj", "mlp.linear_fc1"), ("mlp.down_proj", "mlp.linear_fc2")]
+    for hn, mn in linears:
+        pairs.append((f"{h}.{hn}.weight", f"{m}.{mn}.weight"))
+        if bias:
+            pairs.append((f"{h}.{hn}.bias", f"{m}.{mn}.bias"))
+    return pairs
+
+
+def state_from_hf(hf: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    """mg (tp=1, unsharded) state dict from a Llama/Mistral state dict. Raises KeyError naming a missing tensor."""
+    g, qpg, d = c.query_groups, c.num_attention_heads // c.query_groups, c.head_dim
+    out = {
+        "embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"], c),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if not c.tie_word_embeddings:
+        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], c)
+    for i in range(c.num_layers):
+        for hname, mname in _plain_map(i, c.add_bias_linear):
+            out[mname] = hf[hname]
+        a = f"model.layers.{i}.self_attn"
+        m = f"decoder.layers.{i}.self_attention.linear_qkv"
+        for suffix in ("weight", "bias") if c.qkv_bias else ("weight",):
+            q, k, v = (hf[f"{a}.{p}_proj.{suffix}"] for p in "qkv")
+            rest = q.shape[1:]
+            fused = torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+            out[f"{m}.{suffix}"] = fused.reshape(g * (qpg + 2) * d, *rest)
+    return out
+
+
+def state_to_hf(mg: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    """Llama/Mistral state dict (Hugging Face names; no ``lm_head.weight`` when tied) from an mg state dict."""
+    g, qpg, d = c.query_groups, c.num_attention_heads // c.query_groups, c.head_dim
+    out = {
+        "model.embed_tokens.weight": unpad_vocab(mg["embedding.word_embeddings.weight"], c),
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+    }
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = unpad_vocab(mg["output_layer.weight"], c)
+    for i in range(c.num_layers):
+        for hname, mname in _plain_map(i, c.add_bias_linear):
+            out[hname] = mg[mname]
+        a = f"model.layers.{i}.self_attn"
+        m = f"decoder.layers.{i}.self_attention.linear_qkv"
+        for suffix in ("weight", "bias") if c.qkv_bias else ("weight",):
+            fused = mg[f"{m}.{suffix}"]
+            rest = fused.shape[1:]
+            q, k, v = fused.reshape(g, (qpg + 2) * d, *rest).split([qpg * d, d, d], dim=1)
+            out[f"{a}.q_proj.{suffix}"] = q.reshape(g * qpg * d, *rest).contiguous()
+            out[f"{a}.k_proj.{suffix}"] = k.reshape(g * d, *rest).contiguous()
+            out[f"{a}.v_proj.{suffix}"] = v.reshape(g * d, *rest).contiguous()
+    return out

@@ -1,0 +1,215 @@
+"""Transformer building blocks on mg-parallel layers: norms, rotary embedding, MLP, attention.
+
+Activations are ``[seq, batch, hidden]``. Under sequence parallelism the residual stream is
+``[seq/tp, batch, hidden]``; column-parallel layers gather it and row-parallel layers
+reduce-scatter back, so norms and dropout act on the local sequence chunk.
+
+Fused QKV uses Megatron's grouped layout: output rows are ordered per key/value group as
+``[q heads of group g, k_g, v_g]``, so a contiguous tp shard holds whole groups and the global
+weight is the same at every tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mg_models.init import normal_init, scaled_std
+from mg_models.spec import BuildContext, ModuleSpec, build_module
+from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+__all__ = [
+    "MLP",
+    "LayerNorm",
+    "MLPSubmodules",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SelfAttention",
+    "SelfAttentionSubmodules",
+    "apply_rotary",
+    "norm_class",
+]
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm over the last dim with the config's eps; weight 1, bias 0."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, dim: int | None = None) -> None:
+        super().__init__(dim or ctx.config.hidden_size, eps=ctx.config.norm_eps, device=ctx.device, dtype=ctx.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Llama): normalised in fp32, cast back, then scaled by the weight."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, dim: int | None = None) -> None:
+        super().__init__()
+        self.eps = ctx.config.norm_eps
+        self.weight = nn.Parameter(torch.ones(dim or ctx.config.hidden_size, device=ctx.device, dtype=ctx.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> same shape and dtype."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def norm_class(ctx: BuildContext) -> type[nn.Module]:
+    """The norm module chosen by ``config.normalization``."""
+    return RMSNorm if ctx.config.normalization == "rmsnorm" else LayerNorm
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding tables (half-split "rotate_half" convention, as Hugging Face Llama).
+
+    ``forward(position_ids [b, s]) -> (cos, sin)``, each ``[s, b, 1, rotary_dim]`` in fp32.
+    """
+
+    def __init__(self, rotary_dim: int, base: float, device: torch.device | None = None) -> None:
+        super().__init__()
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (base ** exponents).to(device), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.t().float()[..., None] * self.inv_freq.float()  # [s, b, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [s, b, 1, rot]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading ``cos.shape[-1]`` dims of x [s, b, heads, d]; the rest pass through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+@dataclass
+class MLPSubmodules:
+    """Linear layer classes of the MLP."""
+
+    linear_fc1: type = ColumnParallelLinear
+    linear_fc2: type = RowParallelLinear
+
+
+class MLP(nn.Module):
+    """Feed-forward block: GeLU (``linear_fc1`` -> act -> ``linear_fc2``) or SwiGLU
+    (``silu(linear_gate(x)) * linear_fc1(x)`` -> ``linear_fc2``, gate and up as separate column-parallel
+    linears so their global weights do not depend on tp). x [s(/tp), b, h] -> same shape."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, submodules: MLPSubmodules | None = None) -> None:
+        super().__init__()
+        sub = submodules or MLPSubmodules()
+        c = ctx.config
+        self.activation = c.activation
+        common = dict(tp_group=ctx.tp_group, bias=c.add_bias_linear, sequence_parallel=ctx.sequence_parallel,
+                      dtype=ctx.dtype, device=ctx.device)
+        std = c.init_method_std
+        names = ["linear_gate", "linear_fc1"] if c.activation == "swiglu" else ["linear_fc1"]
+        for name in names:
+            setattr(self, name, sub.linear_fc1(c.hidden_size, c.ffn_size, gather_output=False,
+                                               init_method=normal_init(ctx.seed, f"{prefix}.{name}.weight", std),
+                                               **common))
+        out_std = scaled_std(std, c.num_layers) if c.scaled_output_init else std
+        self.linear_fc2 = sub.linear_fc2(c.ffn_size, c.hidden_size, input_is_parallel=True,
+                                         init_method=normal_init(ctx.seed, f"{prefix}.linear_fc2.weight", out_std),
+                                         **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            h = F.silu(self.linear_gate(x)) * self.linear_fc1(x)
+        else:
+            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+            h = F.gelu(self.linear_fc1(x), approximate=approximate)
+        return self.linear_fc2(h)
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Parts of the attention block; q/k layernorm are None unless ``qk_layernorm``."""
+
+    linear_qkv: type = ColumnParallelLinear
+    linear_proj: type = RowParallelLinear
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head / grouped-query self-attention via ``scaled_dot_product_attention``.
+
+    Heads and query groups are split over tp ranks (each rank holds whole groups). Supports
+    rotary embeddings, an explicit boolean mask ``[b, 1, s_q, s_k]`` (True = attend) and a KV
+    cache for incremental decoding.
+    """
+
+    def __init__(self, ctx: BuildContext, prefix: str, layer_number: int,
+                 submodules: SelfAttentionSubmodules | None = None) -> None:
+        super().__init__()
+        sub = submodules or SelfAttentionSubmodules()
+        c = ctx.config
+        self.ctx = ctx
+        self.layer_number = layer_number
+        self.head_dim = c.head_dim
+        self.heads = c.num_attention_heads // ctx.tp_size
+        self.groups = c.query_groups // ctx.tp_size
+        self.q_per_group = c.num_attention_heads // c.query_groups
+        self.dropout = c.attention_dropout
+        qkv_out = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
+        common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype,
+                      device=ctx.device)
+        self.linear_qkv = sub.linear_qkv(
+            c.hidden_size, qkv_out, bias=c.qkv_bias, gather_output=False,
+            init_method=normal_init(ctx.seed, f"{prefix}.linear_qkv.weight", c.init_method_std), **common)
+        out_std = scaled_std(c.init_method_std, c.num_layers) if c.scaled_output_init else c.init_method_std
+        self.linear_proj = sub.linear_proj(
+            c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
+            init_method=normal_init(ctx.seed, f"{prefix}.linear_proj.weight", out_std), **common)
+        self.q_layernorm = self.k_layernorm = None
+        if sub.q_layernorm is not None:
+            self.q_layernorm = build_module(sub.q_layernorm, ctx, f"{prefix}.q_layernorm", dim=c.head_dim)
+            self.k_layernorm = build_module(sub.k_layernorm, ctx, f"{prefix}.k_layernorm", dim=c.head_dim)
+            # Shared across heads, which are split over tp: grads are partial sums over tp ranks.
+            ctx.mark_partial_grads(self.q_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
+            ctx.mark_partial_grads(self.k_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None, cache: object | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]. ``cache`` is an :class:`~mg_models.generation.InferenceCache`."""
+        qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.head_dim)
+        k = qkv[:, :, :, self.q_per_group]  # [s, b, groups, d]
+        v = qkv[:, :, :, self.q_per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads|groups, s, d]
+        if cache is not None:
+            k, v = cache.update(self.layer_number, k, v)  # [b, groups, offset + s, d]
+        if self.groups != self.heads:
+            # Query head j uses key/value group j // q_per_group (grouped layout).
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        is_causal = mask is None and s > 1 and k.shape[2] == s
+        with self.ctx.tp_rng() if dropout > 0 else _NULL:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, heads*d]
+        return self.linear_proj(out)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _Null()

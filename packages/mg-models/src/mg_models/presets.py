@@ -1,0 +1,62 @@
+"""Ready-made model configurations by name (``get_config("gpt2-small")``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mg_models.config import GPTConfig
+
+__all__ = ["PRESETS", "get_config", "list_presets"]
+
+
+def _gpt2(layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50257,
+                max_position_embeddings=1024, position_embedding="learned", normalization="layernorm",
+                norm_eps=1e-5, activation="gelu_tanh", add_bias_linear=True, tie_word_embeddings=True)
+
+
+def _llama(layers: int, hidden: int, heads: int, ffn: int, *, groups: int | None = None, vocab: int = 32000,
+           max_pos: int = 4096, base: float = 10000.0, eps: float = 1e-5, **extra: Any) -> dict[str, Any]:
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=max_pos, position_embedding="rope",
+                rotary_base=base, normalization="rmsnorm", norm_eps=eps, activation="swiglu",
+                add_bias_linear=False, tie_word_embeddings=False, **extra)
+
+
+PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
+    "gpt2-small": lambda: _gpt2(12, 768, 12),
+    "gpt2-medium": lambda: _gpt2(24, 1024, 16),
+    "gpt2-large": lambda: _gpt2(36, 1280, 20),
+    "gpt2-xl": lambda: _gpt2(48, 1600, 25),
+    "llama-7b": lambda: _llama(32, 4096, 32, 11008),
+    "llama-13b": lambda: _llama(40, 5120, 40, 13824),
+    "llama-70b": lambda: _llama(80, 8192, 64, 28672, groups=8),
+    "llama3-8b": lambda: _llama(32, 4096, 32, 14336, groups=8, vocab=128256, max_pos=8192, base=500000.0),
+    "mistral-7b": lambda: _llama(32, 4096, 32, 14336, groups=8, max_pos=32768, sliding_window=4096),
+    # nanoGPT's character/BPE demo shape (~14M parameters with an 8192 vocabulary).
+    "gpt-14m": lambda: dict(num_layers=6, hidden_size=384, num_attention_heads=6, vocab_size=8192,
+                            max_position_embeddings=256, activation="gelu", add_bias_linear=False),
+    "gpt-30m": lambda: dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=8192,
+                            max_position_embeddings=256, activation="gelu", add_bias_linear=False),
+    # Tiny shapes for tests and the demo.
+    "tiny-gpt2": lambda: dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                              max_position_embeddings=128, activation="gelu_tanh"),
+    "tiny-llama": lambda: _llama(2, 64, 4, 160, groups=2, vocab=512, max_pos=128),
+}
+
+
+def list_presets() -> list[str]:
+    """Names accepted by :func:`get_config`."""
+    return sorted(PRESETS)
+
+
+def get_config(name: str, **overrides: Any) -> GPTConfig:
+    """The preset ``name`` as a :class:`GPTConfig`, with ``overrides`` applied to its fields.
+
+    Raises:
+        ValueError: unknown preset name (lists the valid ones) or an invalid override.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {list_presets()}")
+    return GPTConfig(**{**PRESETS[name](), **overrides})

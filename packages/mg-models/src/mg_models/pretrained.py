@@ -1,0 +1,71 @@
+"""``load_pretrained(path)``: a single-process GPTModel from a Hugging Face or mg checkpoint directory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mg_models.config import GPTConfig
+from mg_models.gpt import GPTModel
+from mg_models.hf import read_hf_directory
+
+__all__ = ["MG_CHECKPOINT_LOADERS", "load_pretrained", "model_from_state", "register_checkpoint_loader"]
+
+CheckpointLoader = Callable[[Path], "tuple[GPTConfig, dict[str, torch.Tensor]] | None"]
+
+MG_CHECKPOINT_LOADERS: list[CheckpointLoader] = []
+"""Loaders for mg checkpoints, tried in order: ``loader(path) -> (config, unsharded mg state) | None``
+(None = not mine). mg-models cannot depend on mg-ckpt, so the CLI registers its reader here."""
+
+
+def register_checkpoint_loader(loader: CheckpointLoader) -> None:
+    """Add a loader for mg checkpoints (see :data:`MG_CHECKPOINT_LOADERS`)."""
+    if loader not in MG_CHECKPOINT_LOADERS:
+        MG_CHECKPOINT_LOADERS.append(loader)
+
+
+def model_from_state(config: GPTConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> GPTModel:
+    """A single-process GPTModel holding ``state`` (unsharded mg names), returning full unpadded logits.
+
+    Raises:
+        ValueError: the state does not match the model (lists missing/unexpected keys).
+    """
+    from mg_parallel.grid import ProcessGrid
+
+    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
+    model = GPTModel(config, grid, dtype=dtype)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"checkpoint does not match the model: missing {result.missing_keys[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    model.gather_logits_default = True
+    return model.eval()
+
+
+def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> GPTModel:
+    """Load a Hugging Face directory (GPT-2, Llama, Mistral; safetensors) or an mg checkpoint.
+
+    The model runs in one process; ``model(input_ids [b, s])`` returns logits ``[b, s, vocab_size]``
+    (unpadded), directly comparable with Hugging Face's.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+        ValueError: an unsupported architecture, or a directory no loader recognises.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory; pass a Hugging Face model directory or an mg checkpoint")
+    for loader in MG_CHECKPOINT_LOADERS:
+        loaded = loader(path)
+        if loaded is not None:
+            config, state = loaded
+            return model_from_state(config, state, dtype=dtype, device=device)
+    if (path / "config.json").exists():
+        config, state, _ = read_hf_directory(path)
+        return model_from_state(config, state, dtype=dtype, device=device)
+    raise ValueError(f"{path}: neither a Hugging Face directory (config.json) nor a checkpoint a registered mg "
+                     f"loader recognises; for mg checkpoints call mg_models.register_checkpoint_loader first")
