@@ -80,9 +80,14 @@ class GPTDataset:
         lengths = np.asarray(indexed.sequence_lengths[s0:s1])
         key = fingerprint(_INDEX_VERSION, lengths, s0, config.seq_length, config.seed, num_samples, config.shuffle)
         stem = f"gpt-{os.path.basename(indexed.prefix)}-{name}"
+        def build() -> dict[str, np.ndarray]:
+            try:
+                return build_gpt_indices(lengths, s0, config.seq_length, num_samples, config.seed, config.shuffle)
+            except ValueError as e:
+                raise ValueError(f"{indexed.prefix} ({name} split, documents {d0}..{d1}): {e}") from None
+
         arrays, self.built_index = cached_arrays(
-            config.cache_dir, stem, key, ("document_index", "sample_index", "shuffle_index"),
-            lambda: build_gpt_indices(lengths, s0, config.seq_length, num_samples, config.seed, config.shuffle),
+            config.cache_dir, stem, key, ("document_index", "sample_index", "shuffle_index"), build,
             {"prefix": indexed.prefix, "split": name, "sequences": [s0, s1], "num_samples": num_samples,
              "seq_length": config.seq_length, "seed": config.seed})
         self.document_index = arrays["document_index"]
@@ -200,8 +205,14 @@ def build_gpt_datasets(config: GPTDatasetConfig, blend: Sequence[str | float] | 
         for p, count in zip(prefixes, counts):
             ds = IndexedDataset(p)
             rng = (0, ds.num_documents) if ranges is None else split_ranges(ds.num_documents, ranges)[s]
+            if rng[0] == rng[1]:
+                if len(prefixes) > 1:
+                    raise ValueError(f"{p}: the {name} split holds no document; adjust --split")
+                break
             parts.append(GPTDataset(ds, rng, count, config, name))
-        if len(parts) == 1:
+        if not parts:
+            out.append(None)
+        elif len(parts) == 1:
             out.append(parts[0])
         else:
             out.append(BlendedDataset(parts, mix, n, cache_dir=config.cache_dir, name=name))  # type: ignore[arg-type]

@@ -91,12 +91,18 @@ class GlobalBatchSampler:
         return [mine[i * m:(i + 1) * m].tolist() for i in range(self.num_micro_batches)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        """Micro-batches from ``consumed_samples`` on; ``consumed_samples`` advances per global batch."""
+        """Micro-batches from ``consumed_samples`` on.
+
+        ``consumed_samples`` advances by a global batch when that batch's last micro-batch is handed
+        out, so a checkpoint saved after the optimizer step records the step as consumed.
+        """
         step = self.consumed_samples // self.global_batch_size
         while step < self.num_global_batches:
-            yield from self.micro_batches(step)
+            micro = self.micro_batches(step)
+            yield from micro[:-1]
             step += 1
             self.consumed_samples = step * self.global_batch_size
+            yield micro[-1]
 
     def __len__(self) -> int:
         """Micro-batches left for this rank."""
