@@ -1,0 +1,182 @@
+"""Training state <-> mg-ckpt logical tensors, so a checkpoint reshards to any layout on load.
+
+Names:
+
+* ``model/<param>``: each model parameter, global name (global layer index), global shape;
+  tensor-parallel shards are blocks of it. A tied output weight on the last pipeline stage is a
+  copy of the word embedding and is not saved separately; it loads from the embedding.
+* ``optim/<param>/{main_param,exp_avg,exp_avg_sq}``: fp32 optimizer state of the same parameter,
+  with the same global shape. With the distributed optimizer each data-parallel rank owns a flat
+  range of its tensor-parallel block, which mg-ckpt stores as such and reslices on load.
+
+Everything else (iteration, consumed samples, optimizer step, loss scaler, RNG streams of every
+rank, the config) travels as JSON in the checkpoint's ``state``.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mg_ckpt import ShardedTensor, load_checkpoint, save_checkpoint
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel import shard_info
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def _is_tied_copy(module: torch.nn.Module, name: str) -> bool:
+    # The last stage's own copy of a tied embedding (pp > 1).
+    cfg = getattr(module, "config", None)
+    return (name == "output_layer.weight" and cfg is not None and cfg.tie_word_embeddings
+            and not getattr(module, "pre_process", True))
+
+
+def _replicas(param: torch.Tensor, grid: ProcessGrid, dp_sharded: bool) -> tuple[int, int]:
+    """(replica_rank, num_replicas) of this rank's piece of ``param``."""
+    tp_sharded = getattr(param, "tensor_parallel", False)
+    rank, count = 0, 1
+    if not dp_sharded:
+        rank, count = grid.dp_rank, grid.dp_size
+    if not tp_sharded:
+        rank, count = rank * grid.tp_size + grid.tp_rank, count * grid.tp_size
+    return rank, count
+
+
+def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool) -> dict[str, ShardedTensor]:
+    """This rank's model parameters as logical-tensor pieces (templates filled in place on load)."""
+    out: dict[str, ShardedTensor] = {}
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        for name, param in module.named_parameters():
+            key = name
+            if _is_tied_copy(module, name):
+                if not for_load:
+                    continue
+                key = WORD_EMBEDDING
+            gshape, goffset = shard_info(param, grid)
+            r, n = _replicas(param, grid, dp_sharded=False)
+            if for_load:
+                r, n = 0, 1  # replica bookkeeping only matters when writing
+            out[f"model/{key}" + ("#tied" if key != name else "")] = ShardedTensor(
+                param.data, gshape, goffset, replica_rank=r, num_replicas=n)
+    return out
+
+
+def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool
+                    ) -> tuple[dict[str, ShardedTensor], dict[str, Any]]:
+    """The optimizer's tensors as logical-tensor pieces, plus its JSON part.
+
+    Returns:
+        ``(pieces, state)`` where ``state`` is ``optimizer.state_dict()``; on load, fill ``pieces``
+        and pass ``state`` (whose tensors they alias) to ``optimizer.load_state_dict``.
+    """
+    state = optimizer.state_dict()
+    distributed = bool(state["distributed"])
+    out: dict[str, ShardedTensor] = {}
+    for c, entries in enumerate(state["chunks"]):
+        module = _unwrap(chunks[c])
+        params = dict(module.named_parameters())
+        for name, entry in entries.items():
+            param = params[name]
+            key = name
+            if _is_tied_copy(module, name):
+                if not for_load:
+                    continue
+                key = WORD_EMBEDDING
+            gshape, goffset = shard_info(param, grid)
+            r, n = _replicas(param, grid, dp_sharded=distributed)
+            if for_load:
+                r, n = 0, 1
+            lo = int(entry["flat_offset"])
+            for f in OPT_FIELDS:
+                out[f"optim/{key}/{f}" + ("#tied" if key != name else "")] = ShardedTensor(
+                    entry[f], gshape, goffset, local_shape=tuple(entry["shape"]),
+                    flat_range=(lo, lo + int(entry["numel"])), replica_rank=r, num_replicas=n)
+    return out, state
+
+
+def _strip(pieces: dict[str, ShardedTensor]) -> dict[str, ShardedTensor]:
+    # Keys with '#tied' name the same logical tensor as the embedding: load them under that name.
+    return {k.split("#")[0] if "#" in k else k: v for k, v in pieces.items() if "#" not in k}
+
+
+def _tied(pieces: dict[str, ShardedTensor]) -> dict[str, ShardedTensor]:
+    return {k.split("#")[0]: v for k, v in pieces.items() if "#" in k}
+
+
+def rng_state(rng_tracker: Any) -> dict[str, Any]:
+    """This rank's RNG streams as base64 strings (JSON-able)."""
+    def enc(t: torch.Tensor) -> str:
+        return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+    out = {"cpu": enc(torch.get_rng_state()), "tracker": {k: enc(v) for k, v in rng_tracker.get_state().items()}}
+    if torch.cuda.is_available():
+        out["cuda"] = enc(torch.cuda.get_rng_state())
+    return out
+
+
+def set_rng_state(state: dict[str, Any], rng_tracker: Any) -> None:
+    """Restore :func:`rng_state` output."""
+    def dec(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    torch.set_rng_state(dec(state["cpu"]))
+    rng_tracker.set_state({k: dec(v) for k, v in state["tracker"].items()})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(dec(state["cuda"]))
+
+
+def gather_rng(rng_tracker: Any) -> list[dict[str, Any]]:
+    """Every rank's RNG state, by global rank (collective)."""
+    mine = rng_state(rng_tracker)
+    if not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def save(save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid,
+         extra: dict[str, Any], *, async_save: bool, keep_last: int | None) -> Any:
+    """Save model + optimizer + ``extra`` as ``save_dir/iter_{iteration:07d}`` (collective)."""
+    state: dict[str, Any] = model_state(chunks, grid, for_load=False)
+    opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=False)
+    state.update(opt_pieces)
+    extra = dict(extra)
+    extra["optimizer"] = {k: v for k, v in opt_state.items() if k != "chunks"}
+    layout = {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "world_size": grid.world_size}
+    return save_checkpoint(save_dir, iteration, state, extra=extra, layout=layout, async_save=async_save,
+                           keep_last=keep_last)
+
+
+def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid, *, load_optimizer: bool = True
+         ) -> dict[str, Any]:
+    """Load a checkpoint saved at any layout into this rank's model and optimizer (collective).
+
+    Returns:
+        The checkpoint's JSON ``state`` (iteration, consumed samples, RNG, config, ...).
+    """
+    pieces = model_state(chunks, grid, for_load=True)
+    opt_state = None
+    if load_optimizer:
+        opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=True)
+        pieces.update(opt_pieces)
+    main = _strip(pieces)
+    tied = _tied(pieces)
+    extra = load_checkpoint(path, main)
+    if tied:
+        load_checkpoint(path, tied, verify=False)
+    if load_optimizer:
+        saved = extra.get("optimizer", {})
+        opt_state.update({k: v for k, v in saved.items() if k in ("step", "param_groups", "loss_scaler")})
+        optimizer.load_state_dict(opt_state)
+    return extra

@@ -1,0 +1,82 @@
+"""Training and validation data for a run: datasets, the layout-independent sampler, micro-batches.
+
+Sample order is a function of (seed, data, global batch size) only: global batch ``k`` holds the
+same samples at any tp/pp/dp, and a run resumed at iteration ``n`` continues from global batch
+``n`` (``consumed_samples = n * global_batch_size``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mg_cli.config import RunConfig
+from mg_cli.training.setup import TrainingError
+from mg_data import GlobalBatchSampler, GPTDatasetConfig, build_gpt_datasets
+from mg_data.torch_adapter import build_data_loader
+from mg_parallel.grid import ProcessGrid
+
+
+class RunData:
+    """Train/valid datasets and per-rank micro-batch iterators."""
+
+    def __init__(self, config: RunConfig, grid: ProcessGrid, eod_id: int | None) -> None:
+        d, t = config.data, config.train
+        self.config = config
+        self.grid = grid
+        blend = d.path if isinstance(d.path, list) else [d.path]
+        cache = d.cache_dir or os.path.join(os.path.dirname(os.path.abspath(str(blend[-1]))), "index-cache")
+        self.ds_config = GPTDatasetConfig(seq_length=config.model.seq_length, seed=t.seed, split=d.split,
+                                          cache_dir=cache, eod_mask_loss=d.eod_mask_loss, eod_id=eod_id)
+        gbs = t.global_batch_size
+        evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
+        wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
+        try:
+            self.train_ds, self.valid_ds, _ = build_gpt_datasets(self.ds_config, blend, wanted)
+        except ValueError as e:
+            raise TrainingError(f"data.path: {e}") from None
+        if self.train_ds is None:
+            raise TrainingError(f"data.split={d.split!r} gives the training split no documents; raise its weight")
+        if len(self.train_ds) < gbs:
+            raise TrainingError(f"the training split has {len(self.train_ds)} samples, fewer than one global batch "
+                                f"({gbs}); use more data or a smaller train.global_batch_size")
+        self.micro_batches_per_step = gbs // (t.micro_batch_size * grid.dp_size)
+
+    def _loader(self, dataset: Any, consumed_samples: int, batch_size: int, workers: int) -> Iterator[dict[str, torch.Tensor]]:
+        sampler = GlobalBatchSampler(
+            total_samples=len(dataset), global_batch_size=batch_size,
+            micro_batch_size=self.config.train.micro_batch_size, dp_rank=self.grid.dp_rank,
+            dp_size=self.grid.dp_size, consumed_samples=consumed_samples,
+        )
+        loader = build_data_loader(dataset, sampler, num_workers=workers,
+                                   pin_memory=self.grid.device.type == "cuda")
+        device = self.grid.device
+        for batch in loader:
+            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def train_iterator(self, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's training micro-batches from ``consumed_samples`` on, endlessly (wrapping epochs).
+
+        ``len(train_ds)`` covers the samples the run needs, so wrapping only happens when a run is
+        extended beyond the iterations its index was built for.
+        """
+        gbs = self.config.train.global_batch_size
+        total = (len(self.train_ds) // gbs) * gbs
+        consumed = consumed_samples % total
+        while True:
+            yield from self._loader(self.train_ds, consumed, gbs, self.config.data.num_workers)
+            consumed = 0
+
+    def valid_batches(self) -> list[dict[str, torch.Tensor]] | None:
+        """The first ``eval.iters`` global batches of the validation split (the same every evaluation)."""
+        if self.valid_ds is None or self.config.eval.iters < 1:
+            return None
+        gbs = self.config.train.global_batch_size
+        steps = min(self.config.eval.iters, len(self.valid_ds) // gbs)
+        if steps < 1:
+            return None
+        it = self._loader(self.valid_ds, 0, gbs, 0)
+        return [next(it) for _ in range(steps * self.micro_batches_per_step)]

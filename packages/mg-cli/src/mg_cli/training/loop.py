@@ -1,0 +1,293 @@
+"""The training loop behind ``mg train``.
+
+One iteration = one global batch = one optimizer step; iterations count from 1 (Megatron's
+convention), and checkpoint ``iter_{N:07d}`` holds the state after N iterations, so a resumed run
+continues at N+1 with the same data (global batch N+1) and the same learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mg_cli.config import RunConfig
+from mg_cli.training.setup import Env, TrainingError, check_config, init_distributed, read_env, set_threads
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; checked (and agreed on by all ranks) once per iteration."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _all_agree_max(value: float, grid: Any) -> float:
+    """The maximum of ``value`` over all ranks (so every rank takes the same decision)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([float(value)], device=grid.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_matmul_peak(dtype: torch.dtype, device: torch.device, seconds: float = 0.5) -> float:
+    """Achieved FLOP/s of square matmuls on this process's device and threads (MFU denominator)."""
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _peak_mem(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0
+
+
+def run_training(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Train as configured; returns a summary (last loss, last validation loss, iterations run).
+
+    Raises:
+        TrainingError: a configuration, data or checkpoint problem (one line), or a non-finite
+            loss with fp32/bf16.
+    """
+    env = read_env()
+    set_threads(config, env)
+    check_config(config, env)  # before any collective: every rank fails alike
+    from mg_data import build_tokenizer
+
+    tokenizer = build_tokenizer(config.data.tokenizer_model)
+    from mg_cli.training.build import check_model_layout, model_config
+
+    model_cfg = model_config(config, tokenizer.vocab_size)
+    check_model_layout(model_cfg, config)
+    load_path = _resolve_load(config, resume)
+
+    init_distributed(env)
+    try:
+        return _train(config, env, tokenizer, model_cfg, load_path)
+    finally:
+        from mg_ckpt import finalize
+
+        try:
+            finalize()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _resolve_load(config: RunConfig, resume: bool) -> str | None:
+    from mg_ckpt import latest_iteration
+
+    c = config.checkpoint
+    if c.load is not None:
+        return c.load
+    if resume and c.save is not None and os.path.isdir(c.save) and latest_iteration(c.save) is not None:
+        return c.save
+    return None
+
+
+def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None) -> dict[str, Any]:
+    from mg_cli.training import checkpointing
+    from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
+    from mg_cli.training.data import RunData
+    from mg_cli.training.metrics import MetricsLogger
+    from mg_cli.training.schedule import LRSchedule
+    from mg_models import flops_per_token
+    from mg_parallel import ParallelDims, build_grid
+    from mg_parallel.pipeline import average_losses, get_forward_backward_func
+    from mg_parallel.tensor_parallel import RNGTracker
+
+    p, t, o = config.parallel, config.train, config.optim
+    grid = build_grid(ParallelDims(tp=p.tp, pp=p.pp))
+    torch.manual_seed(t.seed)
+    rng = RNGTracker(t.seed, grid)
+    chunks = build_model_chunks(model_cfg, config, grid, rng)
+    model, optimizer = wrap_and_build_optimizer(chunks, config, grid)
+    schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_iters=o.warmup_iters,
+                          decay_iters=o.decay_iters if o.decay_iters is not None else t.iters,
+                          style=o.decay_style, wsd_decay_fraction=o.wsd_decay_fraction)
+
+    start_iter = 0
+    if load_path is not None:
+        from mg_ckpt import CheckpointError
+
+        try:
+            state = checkpointing.load(load_path, model, optimizer, grid)
+        except CheckpointError as e:
+            raise TrainingError(f"checkpoint.load: {e}") from None
+        start_iter = int(state["iteration"])
+        rngs = state.get("rng") or []
+        same_layout = state.get("layout_key") == _layout_key(grid, config)
+        if same_layout and len(rngs) == env.world_size:
+            checkpointing.set_rng_state(rngs[env.rank], rng)
+        else:  # a new layout has new dropout streams; keep them reproducible
+            _reseed(rng, t.seed + start_iter, grid)
+
+    data = RunData(config, grid, tokenizer.eod)
+    num_micro = data.micro_batches_per_step
+    train_iter = data.train_iterator(start_iter * t.global_batch_size)
+    valid = data.valid_batches() if config.eval.interval or config.eval.iters else None
+
+    logger = MetricsLogger(config.log.dir, enabled=env.is_main, total_iters=t.iters, start_iter=start_iter,
+                           tensorboard=config.log.tensorboard)
+    if env.is_main:
+        os.makedirs(config.log.dir, exist_ok=True)
+        with open(os.path.join(config.log.dir, "config.yaml"), "w") as f:
+            f.write(config.to_yaml())
+        logger.message(f"mg train: {env.world_size} processes, tp={grid.tp_size} pp={grid.pp_size} "
+                       f"dp={grid.dp_size}, {num_micro} micro-batches/step, resuming at iteration {start_iter + 1}"
+                       if start_iter else
+                       f"mg train: {env.world_size} processes, tp={grid.tp_size} pp={grid.pp_size} dp={grid.dp_size}, "
+                       f"{num_micro} micro-batches/step")
+        logger.message("resolved config:\n" + config.to_yaml().rstrip())
+
+    dtype = PRECISION_DTYPES[t.precision]
+    seq = config.model.seq_length
+    tensor_shape = (seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size)
+    forward_backward = get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None)
+    flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full")
+    peak = measure_matmul_peak(dtype, grid.device) * grid.world_size
+    stop = _StopFlag()
+    stop.install()
+    started = time.monotonic()
+    fp16 = t.precision == "fp16"
+
+    def forward_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[torch.Tensor, Any]:
+        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+
+        def loss_fn(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            mask = batch["loss_mask"]
+            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+            return loss, {}
+        return output, loss_fn
+
+    def save(iteration: int) -> None:
+        if config.checkpoint.save is None:
+            return
+        extra = {
+            "iteration": iteration,
+            "consumed_samples": iteration * t.global_batch_size,
+            "rng": checkpointing.gather_rng(rng),
+            "layout_key": _layout_key(grid, config),
+            "config": config.to_dict(),
+            "model_config": model_cfg.to_dict(),
+            "tokenizer_model": os.path.abspath(config.data.tokenizer_model),
+        }
+        checkpointing.save(config.checkpoint.save, iteration, model, optimizer, grid, extra,
+                           async_save=config.checkpoint.async_, keep_last=config.checkpoint.keep_last)
+        logger.message(f"saved checkpoint {config.checkpoint.save}/iter_{iteration:07d}"
+                       + (" (writing in the background)" if config.checkpoint.async_ else ""))
+
+    def evaluate(iteration: int) -> float | None:
+        if not valid:
+            return None
+        for chunk in model:
+            chunk.eval()
+        with torch.no_grad():
+            losses = forward_backward(forward_step, iter(valid), model, len(valid), grid,
+                                      tensor_shape=tensor_shape, dtype=dtype, forward_only=True)
+        for chunk in model:
+            chunk.train()
+        val = float(average_losses(losses, grid))
+        logger.log({"iteration": iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        return val
+
+    last_loss = last_val = None
+    iteration = start_iter
+    try:
+        while iteration < t.iters:
+            iteration += 1
+            lr = schedule(iteration)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            optimizer.zero_grad()
+            losses = forward_backward(forward_step, train_iter, model, num_micro, grid, tensor_shape=tensor_shape,
+                                      dtype=dtype, scale_loss=optimizer.scale_loss if fp16 else None)
+            applied, grad_norm = optimizer.step()
+            loss = float(average_losses(losses, grid))
+            if grid.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss) and not fp16:
+                raise TrainingError(
+                    f"loss is {loss} at iteration {iteration} ({t.precision}); lower optim.lr or check the data. "
+                    f"Nothing was saved for this iteration"
+                )
+            last_loss = loss
+            tokens_per_s = t.global_batch_size * seq / dt
+            if iteration % config.log.interval == 0 or iteration == t.iters:
+                logger.log({
+                    "iteration": iteration, "loss": loss, "lr": lr,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_s": tokens_per_s, "mfu": flops_tok * tokens_per_s / peak,
+                    "step_time_s": dt, "peak_mem_bytes": _peak_mem(grid.device), "skipped": not applied,
+                    "loss_scale": float(optimizer.loss_scale) if fp16 else None,
+                })
+            if config.eval.interval and iteration % config.eval.interval == 0:
+                last_val = evaluate(iteration)
+            if config.checkpoint.interval and iteration % config.checkpoint.interval == 0 and iteration < t.iters:
+                save(iteration)
+            timed_out = (t.exit_after_minutes is not None
+                         and time.monotonic() - started > 60 * t.exit_after_minutes)
+            want_stop = _all_agree_max(float(stop.signal is not None or timed_out), grid)
+            if want_stop and iteration < t.iters:
+                reason = "a stop signal" if stop.signal is not None else f"train.exit_after_minutes={t.exit_after_minutes}"
+                logger.message(f"stopping after iteration {iteration} on {reason}")
+                save(iteration)
+                return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": True}
+        if config.eval.interval == 0 or iteration % config.eval.interval != 0:
+            if valid and iteration > start_iter:
+                last_val = evaluate(iteration)
+        if iteration > start_iter:
+            save(iteration)
+        return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": False}
+    finally:
+        stop.restore()
+        logger.close()
+
+
+def _layout_key(grid: Any, config: RunConfig) -> str:
+    p = config.parallel
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{p.vpp}-do{int(p.distributed_optimizer)}"
+
+
+def _reseed(rng: Any, seed: int, grid: Any) -> None:
+    """Give ``rng`` (shared with the model) fresh streams for ``seed``; reseeds the default generator too."""
+    from mg_parallel.tensor_parallel import RNGTracker
+
+    rng.set_state(RNGTracker(seed, grid).get_state())

@@ -1,0 +1,136 @@
+"""Process start-up for a training run: torch.distributed, threads, and checks before any collective.
+
+Every check here uses only the config, the environment and the files, so every rank reaches the
+same verdict and fails with the same one-line message before the first collective (no rank is
+left waiting on one that exited).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mg_cli.config import RunConfig
+
+
+class TrainingError(RuntimeError):
+    """A user-facing training failure with a one-line message naming the cause and the fix."""
+
+
+@dataclass
+class Env:
+    """This process's place in the job, from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def read_env() -> Env:
+    """Rank and world size from torchrun's/Slurm's variables (a single process without them)."""
+    def num(name: str, default: int) -> int:
+        value = os.environ.get(name)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise TrainingError(f"environment variable {name}={value!r} is not an integer") from None
+
+    world = num("WORLD_SIZE", 1)
+    return Env(rank=num("RANK", 0), world_size=world, local_rank=num("LOCAL_RANK", 0),
+               local_world_size=num("LOCAL_WORLD_SIZE", world))
+
+
+def set_threads(config: RunConfig, env: Env) -> int:
+    """Intra-op threads: ``train.threads`` or the cores shared evenly among this node's processes."""
+    threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def init_distributed(env: Env, timeout_s: float = 600.0) -> None:
+    """Join the job's default process group (NCCL on CUDA, gloo on CPU).
+
+    A collective that waits longer than ``timeout_s`` fails instead of hanging, so a dead rank
+    ends the job.
+    """
+    if env.world_size <= 1 or dist.is_initialized():
+        return
+    from mg_parallel.device import default_backend, local_device
+
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(local_device())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def check_config(config: RunConfig, env: Env) -> None:
+    """Checks that need no collective: layout divisibility, batch sizes, data files, checkpoints.
+
+    Raises:
+        TrainingError: naming the key or file at fault.
+    """
+    p, t = config.parallel, config.train
+    mp = p.tp * p.pp
+    if env.world_size % mp:
+        raise TrainingError(
+            f"{env.world_size} processes are not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp} = {mp}; "
+            f"launch a multiple of {mp} processes or change tp/pp"
+        )
+    dp = env.world_size // mp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise TrainingError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp = "
+            f"{t.micro_batch_size} * {dp}; with {env.world_size} processes and tp*pp={mp}, dp={dp}"
+        )
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1 and num_micro % p.pp:
+        raise TrainingError(
+            f"the interleaved schedule (parallel.vpp={p.vpp}) needs micro-batches per step ({num_micro}) to be a "
+            f"multiple of parallel.pp={p.pp}; change train.global_batch_size or train.micro_batch_size"
+        )
+    if p.sequence_parallel and config.model.seq_length % p.tp:
+        raise TrainingError(
+            f"model.seq_length={config.model.seq_length} is not divisible by parallel.tp={p.tp}, which "
+            f"parallel.sequence_parallel needs"
+        )
+    if t.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise TrainingError("train.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
+    d = config.data
+    if d.path is None:
+        raise TrainingError("data.path is not set; point it at a dataset prefix made by `mg preprocess`")
+    if d.tokenizer_model is None:
+        raise TrainingError("data.tokenizer_model is not set; point it at the tokenizer used by `mg preprocess`")
+    if not os.path.isfile(d.tokenizer_model):
+        raise TrainingError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
+    from mg_data import IndexedDataset, IndexedDatasetError, parse_blend
+
+    try:
+        prefixes, _ = parse_blend(d.path if isinstance(d.path, list) else [d.path])
+    except ValueError as e:
+        raise TrainingError(f"data.path: {e}") from None
+    for prefix in prefixes:
+        if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+            raise TrainingError(
+                f"data.path: {prefix}.bin/.idx not found; give the prefix `mg preprocess` printed "
+                f"(e.g. data/corpus_text_document)"
+            )
+        try:
+            IndexedDataset(prefix)  # header and size consistency; full verification is `mg inspect`
+        except IndexedDatasetError as e:
+            raise TrainingError(f"data.path: {e}") from None
+    c = config.checkpoint
+    if c.load is not None and not os.path.exists(c.load):
+        raise TrainingError(f"checkpoint.load: {c.load} does not exist")
+    if c.interval < 0 or config.eval.interval < 0 or config.log.interval < 1:
+        raise TrainingError("checkpoint.interval and eval.interval must be >= 0 and log.interval >= 1")
