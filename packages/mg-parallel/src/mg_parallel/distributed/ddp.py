@@ -1,0 +1,257 @@
+"""Data parallelism with bucketed gradient reduction overlapped with backward.
+
+Gradients are accumulated into contiguous buffers (``param.main_grad``); as soon as every
+gradient of a bucket is ready during the last micro-batch's backward, the bucket's all-reduce (or
+reduce-scatter, for the distributed optimizer) is issued asynchronously over the data-parallel
+group, so communication of late layers overlaps with backward through early layers.
+:meth:`DistributedDataParallel.finish_grad_sync` waits for all of them before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mg_parallel.distributed.buffers import Bucket, GradBuffer, ensure_bucket, release_bucket
+from mg_parallel.grid import ProcessGrid
+
+__all__ = ["DistributedDataParallel"]
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` for data parallelism over ``grid.dp_cp_group``.
+
+    Args:
+        module: the model (chunk); its parameters keep their dtype (bf16/fp16/fp32).
+        grid: the process grid.
+        bucket_size_mb: target bucket size in MiB of gradient storage; parameters are never
+            split across buckets, so a bucket may be larger than this.
+        overlap_grad_reduce: issue each bucket's reduction from backward hooks as soon as its
+            gradients are ready; when False, everything is reduced in :meth:`finish_grad_sync`.
+        grad_reduce_in_fp32: keep (and reduce) gradients in fp32 even for bf16/fp16 params.
+        use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets are padded to a
+            multiple of the data-parallel size and parameters live in a contiguous buffer so the
+            optimizer can all-gather its updated shards.
+        zero_stage: 1 or 2 (only with the distributed optimizer). Stage 2 gives every bucket its
+            own gradient storage, allocated when its first gradient arrives and released after
+            the optimizer has consumed its shard (:meth:`release_grad_buffers`).
+
+    Raises:
+        ValueError: a bad option value.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        grid: ProcessGrid,
+        *,
+        bucket_size_mb: float = 40.0,
+        overlap_grad_reduce: bool = True,
+        grad_reduce_in_fp32: bool = False,
+        use_distributed_optimizer: bool = False,
+        zero_stage: int = 1,
+    ) -> None:
+        super().__init__()
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
+        if zero_stage == 2 and not use_distributed_optimizer:
+            raise ValueError("zero_stage=2 needs use_distributed_optimizer=True (gradients are sharded by it)")
+        self.module = module
+        self.grid = grid
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.zero_stage = zero_stage
+        self.dp_group = grid.dp_cp_group
+        self.dp_size = _group_size(self.dp_group)
+        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        self._sync_enabled = True
+
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        seen: set[int] = set()
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                by_dtype.setdefault(p.dtype, []).append(p)
+        device = next(iter(module.parameters())).device if seen else grid.device
+        # Padding keeps every shard the same size and reasonably aligned.
+        shard_multiple = math.lcm(self.dp_size, 64) if use_distributed_optimizer else 1
+        self.buffers: list[GradBuffer] = []
+        for dtype, params in by_dtype.items():
+            grad_dtype = torch.float32 if grad_reduce_in_fp32 else dtype
+            elem = torch.empty((), dtype=grad_dtype).element_size()
+            self.buffers.append(
+                GradBuffer(
+                    params, grad_dtype=grad_dtype, bucket_numel=max(1, int(bucket_size_mb * 2**20 / elem)),
+                    shard_multiple=shard_multiple, contiguous_params=use_distributed_optimizer,
+                    device=device, per_bucket_storage=zero_stage == 2,
+                )
+            )
+        # A global order of buckets (buffer by buffer) so every rank issues collectives identically.
+        self.buckets: list[Bucket] = [b for buf in self.buffers for b in buf.buckets]
+        self._bucket_of: dict[int, int] = {}
+        for gi, b in enumerate(self.buckets):
+            for p in b.params:
+                self._bucket_of[id(p)] = gi
+        self._next_to_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.parameters_with_grad()]
+        if use_distributed_optimizer:
+            # With overlapped param all-gather, a module waits for its own parameters' buckets
+            # just before its forward runs.
+            for m in module.modules():
+                own = [self._bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self._bucket_of]
+                if own:
+                    self._hooks.append(m.register_forward_pre_hook(self._make_gather_wait(sorted(set(own)))))
+
+    def _make_gather_wait(self, bucket_ids: list[int]) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            for i in bucket_ids:
+                b = self.buckets[i]
+                if b.gather_handle is not None:
+                    b.gather_handle.wait()
+                    b.gather_handle = None
+
+        return hook
+
+    # ---------------------------------------------------------------- pass-through
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Forward to the wrapped module's ``set_input_tensor`` (pipeline stages)."""
+        self.module.set_input_tensor(tensor)  # type: ignore[operator]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load into the wrapped module (keys without the ``module.`` prefix)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def parameters_with_grad(self) -> Iterator[nn.Parameter]:
+        """Every trainable parameter, each once, in buffer order."""
+        for b in self.buckets:
+            yield from b.params
+
+    # ---------------------------------------------------------------- gradient flow
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communicating (all micro-batches but the last)."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        gi = self._bucket_of[id(param)]
+        bucket = self.buckets[gi]
+        if self.zero_stage == 2:
+            ensure_bucket(bucket)
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+            param.grad = None
+        if not (self._sync_enabled and self.overlap_grad_reduce):
+            return
+        if id(param) in bucket.ready:
+            raise RuntimeError(
+                "a parameter's gradient arrived twice in one backward with overlap_grad_reduce=True; "
+                "use no_sync() for all but the last micro-batch, or call finish_grad_sync() between backwards"
+            )
+        bucket.ready.add(id(param))
+        # Launch strictly in bucket order so every rank issues the same sequence of collectives.
+        while self._next_to_launch < len(self.buckets):
+            nxt = self.buckets[self._next_to_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt, async_op=True)
+            self._next_to_launch += 1
+
+    def _launch(self, bucket: Bucket, *, async_op: bool) -> None:
+        if self.zero_stage == 2:
+            ensure_bucket(bucket)
+        bucket.launched = True
+        if self.dp_size == 1:
+            return
+        # Pre-divide so the sum is the average (and bf16 sums stay in range).
+        bucket.grad_data.mul_(1.0 / self.dp_size)
+        if self.use_distributed_optimizer:
+            n = bucket.numel // self.dp_size
+            shard = bucket.grad_data[self.dp_rank * n : (self.dp_rank + 1) * n]
+            bucket.handle = dist.reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
+
+    def finish_grad_sync(self) -> None:
+        """Issue any bucket not yet reduced and wait for all; after this every ``main_grad`` (or,
+        with the distributed optimizer, this rank's shard of every bucket) holds the dp average."""
+        self.finish_param_sync()
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket, async_op=False)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            bucket.ready.clear()
+            bucket.launched = False
+        self._next_to_launch = 0
+
+    def start_param_sync(self, *, overlap: bool) -> None:
+        """Distributed optimizer: all-gather every bucket's updated parameter shards over the dp
+        group. With ``overlap`` the gathers run asynchronously and each module waits for its own
+        buckets in its next forward (code that reads parameters outside a forward, e.g. saving a
+        checkpoint, must call :meth:`finish_param_sync` first)."""
+        if not self.use_distributed_optimizer or self.dp_size == 1:
+            return
+        for b in self.buckets:
+            lo, hi = self.local_shard(b)
+            assert b.param_data is not None
+            b.gather_handle = dist.all_gather_into_tensor(
+                b.param_data, b.param_data[lo:hi], group=self.dp_group, async_op=True
+            )
+        if not overlap:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every outstanding parameter all-gather."""
+        for b in self.buckets:
+            if b.gather_handle is not None:
+                b.gather_handle.wait()
+                b.gather_handle = None
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradient buffers (and ``param.grad``) before a new iteration."""
+        for p in self.parameters_with_grad():
+            p.grad = None
+        for buf in self.buffers:
+            buf.zero()
+        self._next_to_launch = 0
+
+    def release_grad_buffers(self) -> None:
+        """ZeRO-2: free every bucket's full gradient storage (re-allocated on the next backward)."""
+        if self.zero_stage == 2:
+            for b in self.buckets:
+                release_bucket(b)
+
+    def local_shard(self, bucket: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` within ``bucket`` that this rank's optimizer updates (whole bucket
+        without the distributed optimizer)."""
+        if not self.use_distributed_optimizer:
+            return 0, bucket.numel
+        n = bucket.numel // self.dp_size
+        return self.dp_rank * n, (self.dp_rank + 1) * n

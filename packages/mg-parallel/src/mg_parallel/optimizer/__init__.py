@@ -1,0 +1,18 @@
+"""AdamW with fp32 main params, ZeRO sharding, loss scaling and global-norm clipping."""
+
+from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm
+from mg_parallel.optimizer.config import OptimizerConfig
+from mg_parallel.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from mg_parallel.optimizer.optimizer import MegatronStyleOptimizer, build_optimizer
+
+__all__ = [
+    "ConstantLossScaler",
+    "DynamicLossScaler",
+    "LossScaler",
+    "MegatronStyleOptimizer",
+    "OptimizerConfig",
+    "build_optimizer",
+    "clip_grads",
+    "counts_in_norm",
+    "global_grad_norm",
+]

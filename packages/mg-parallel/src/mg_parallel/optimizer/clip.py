@@ -1,0 +1,62 @@
+"""Global gradient norm across tensor, pipeline, context and data parallelism, and clipping.
+
+A parameter's gradient must be counted exactly once in the global norm:
+
+* tensor-parallel shards (``param.tensor_parallel``) are distinct on every tp rank: all count;
+* replicated parameters are identical on every tp rank: only tp rank 0 counts them;
+* the copy of a tied embedding on the last pipeline stage (``param.shared_embedding`` with
+  pp > 1) repeats the first stage's: only the first stage counts it;
+* without the distributed optimizer every data/context-parallel replica holds the same full
+  gradients, so only context rank 0 counts and the sum runs over the model-parallel group;
+  with it, the dp/cp ranks hold disjoint shards, so all count and the sum runs over every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mg_parallel.grid import ProcessGrid
+
+__all__ = ["counts_in_norm", "global_grad_norm", "clip_grads"]
+
+
+def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: bool) -> bool:
+    """Whether this rank's gradient of ``param`` contributes to the global norm (see module doc)."""
+    if not getattr(param, "tensor_parallel", False) and grid.tp_rank != 0:
+        return False
+    if getattr(param, "shared_embedding", False) and grid.pp_size > 1 and not grid.is_first_stage:
+        return False
+    return sharded_over_dp or grid.cp_rank == 0
+
+
+def global_grad_norm(
+    grads: list[torch.Tensor], counted: list[bool], grid: ProcessGrid, *, sharded_over_dp: bool
+) -> float:
+    """L2 norm of all gradients of the model, over every rank (a collective on every rank).
+
+    Args:
+        grads: this rank's (fp32) gradient tensors or pieces.
+        counted: for each, whether it counts (:func:`counts_in_norm`).
+        grid: the process grid.
+        sharded_over_dp: the pieces are disjoint data-parallel shards (distributed optimizer).
+    """
+    device = grads[0].device if grads else grid.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, c in zip(grads, counted):
+        if c and g.numel():
+            total += g.float().pow(2).sum()
+    if grid.world_size > 1:
+        if sharded_over_dp:
+            dist.all_reduce(total)
+        elif grid.model_parallel_group is not None:
+            dist.all_reduce(total, group=grid.model_parallel_group)
+    return float(total.sqrt())
+
+
+def clip_grads(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
