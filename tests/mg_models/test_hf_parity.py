@@ -1,0 +1,161 @@
+"""Parity with Hugging Face: logits, greedy generations, export round trip (fp32, CPU).
+
+Randomly initialised Hugging Face models are built from small configs, saved with
+``save_pretrained``, loaded by mg from config.json + safetensors, and compared with the
+Hugging Face model itself (the independent reference).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mg_models import load_pretrained
+from mg_models.generation import SamplingConfig, generate
+from mg_models.hf import read_hf_directory, write_hf_directory
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 301  # not a multiple of 128: exercises vocabulary padding
+
+
+def _gpt2(tied: bool) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama(tied: bool, bias: bool, kv_heads: int = 2) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                                   tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias,
+                                   rope_theta=5000.0, rms_norm_eps=1e-5)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _mistral() -> torch.nn.Module:
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                     sliding_window=None)
+    return transformers.MistralForCausalLM(cfg)
+
+
+CASES = {
+    "gpt2-tied": lambda: _gpt2(True),
+    "gpt2-untied": lambda: _gpt2(False),
+    "llama-gqa": lambda: _llama(False, False),
+    "llama-gqa-tied-bias": lambda: _llama(True, True),
+    "llama-mha": lambda: _llama(False, False, kv_heads=4),
+    "mistral-mqa": _mistral,
+}
+
+
+def _randomise_small_params(model: torch.nn.Module) -> None:
+    # HF initialises norms to 1 and biases to 0; perturb them so their mapping is actually tested.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def saved(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = CASES[request.param]().eval()
+    _randomise_small_params(hf)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    return request.param, hf, path
+
+
+def test_logits_match(saved):
+    name, hf, path = saved
+    model = load_pretrained(path)
+    ids = torch.randint(0, VOCAB, (3, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = model(ids)
+    assert out.shape == ref.shape == (3, 19, VOCAB)
+    assert (out - ref).abs().max().item() <= 1e-4, name
+    # Per-token loss from the vocab-parallel cross entropy equals torch's on HF's logits.
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    with torch.no_grad():
+        loss = model(ids, labels=labels)
+    ref_loss = torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.flatten(), reduction="none").view(3, 19)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches(saved):
+    name, hf, path = saved
+    model = load_pretrained(path)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    new = 12
+    with torch.no_grad():
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+    ours = generate(model, prompt.tolist(), SamplingConfig(max_new_tokens=new))
+    assert ours.tokens == ref[:, prompt.shape[1]:].tolist(), name
+
+
+def test_export_round_trip(saved, tmp_path):
+    name, hf, path = saved
+    config, state, model_type = read_hf_directory(path)
+    out = write_hf_directory(tmp_path / "export", state, config, model_type)
+    original = load_file(str(path / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original), name
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
+    # The exported directory is a valid Hugging Face model with the same behaviour.
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == model_type and cfg["vocab_size"] == VOCAB
+
+
+def test_mg_model_exports_to_hf(tmp_path):
+    """A model built by mg (own init, odd vocab) exports to a Hugging Face Llama with the same logits."""
+    from mg_models import GPTModel, get_config
+
+    config = get_config("tiny-llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    model = GPTModel(config, seed=7).eval()
+    write_hf_directory(tmp_path, model.state_dict(), config, "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(ids, gather_logits=True)
+        ref = hf(ids).logits
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_sliding_window_matches_mistral(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=5)
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_pretrained(tmp_path)
+    assert model.config.sliding_window == 5
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_unsupported_checkpoints_name_the_key(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        load_pretrained(tmp_path)
+    cfg = _llama(False, False).config.to_dict()
+    cfg["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_act"):
+        load_pretrained(tmp_path)
