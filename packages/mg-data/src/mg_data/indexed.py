@@ -294,7 +294,7 @@ class _SpillArray:
         self.path, self.typecode, self.limit = path, typecode, limit
         self.buf = array(typecode)
         self.count = 0
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in finish()/discard()
+        self.file: Any = None  # opened on the first spill: small datasets never touch the disk
 
     def append(self, value: int) -> None:
         self.buf.append(value)
@@ -302,13 +302,21 @@ class _SpillArray:
             self.flush()
 
     def extend(self, values: np.ndarray) -> None:
+        if len(self.buf) + len(values) < self.limit:
+            self.buf.frombytes(np.ascontiguousarray(values, dtype=self.typecode).tobytes())
+            return
         self.flush()
-        np.ascontiguousarray(values, dtype=np.dtype(self.typecode).newbyteorder("<")).tofile(self.file)
+        np.ascontiguousarray(values, dtype=np.dtype(self.typecode).newbyteorder("<")).tofile(self._open())
         self.count += len(values)
+
+    def _open(self) -> Any:
+        if self.file is None:
+            self.file = open(self.path, "wb")  # noqa: SIM115 - closed in chunks()/discard()
+        return self.file
 
     def flush(self) -> None:
         if self.buf:
-            np.frombuffer(self.buf, dtype=self.typecode).astype("<" + self.typecode).tofile(self.file)
+            np.frombuffer(self.buf, dtype=self.typecode).astype("<" + self.typecode).tofile(self._open())
             self.count += len(self.buf)
             self.buf = array(self.typecode)
 
@@ -316,17 +324,22 @@ class _SpillArray:
         return self.count + len(self.buf)
 
     def chunks(self, size: int = 1 << 22):
+        if self.file is None:  # everything is still in memory
+            arr = np.frombuffer(self.buf, dtype=self.typecode)
+            for s in range(0, len(arr), size):
+                yield arr[s:s + size]
+            return
         self.flush()
         self.file.close()
-        arr = np.memmap(self.path, dtype="<" + self.typecode, mode="r") if self.count else np.empty(0)
+        arr = np.memmap(self.path, dtype="<" + self.typecode, mode="r")
         for s in range(0, self.count, size):
             yield np.asarray(arr[s:s + size])
 
     def discard(self) -> None:
-        if not self.file.closed:
+        if self.file is not None:
             self.file.close()
-        if os.path.exists(self.path):
-            os.remove(self.path)
+            if os.path.exists(self.path):
+                os.remove(self.path)
 
 
 class IndexedDatasetBuilder:
