@@ -1,0 +1,84 @@
+"""Gradient and loss reductions that a pipelined training step needs after the schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mg_parallel.grid import ProcessGrid
+
+__all__ = ["allreduce_shared_embedding_grads", "average_losses"]
+
+
+def _grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    # Under the DDP wrapper gradients live in ``main_grad`` (a view into its buffer).
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
+    """Sum the gradients of ``shared_embedding`` parameters over the first and last stage.
+
+    A tied word embedding is held twice with pp > 1: by the first stage (input embedding) and
+    by the last (output projection), each parameter marked ``param.shared_embedding = True``.
+    Summing their gradients over ``grid.embedding_group`` gives both copies the gradient of the
+    tied weight, so identical optimizer steps keep them equal. No-op when pp == 1 (the weight is
+    one parameter) and on middle stages.
+
+    Raises:
+        RuntimeError: the first and last stage hold different numbers of shared-embedding
+            elements (mark exactly the tied weight on both).
+    """
+    if grid.embedding_group is None or not (grid.is_first_stage or grid.is_last_stage):
+        return
+    params = [p for chunk in model_chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
+    grads = [_grad_of(p) for p in params]
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    count = sum(g.numel() for g in grads)
+    # One tiny collective so a mismatch is an error rather than a hang in the real reduction.
+    sizes = torch.tensor([count, -count], dtype=torch.int64, device=grid.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=grid.embedding_group)
+    if sizes[0].item() != count or -sizes[1].item() != count:
+        raise RuntimeError(
+            f"pipeline rank {grid.pp_rank} holds {count} shared_embedding elements but the other end of the "
+            f"embedding group differs; mark the tied word embedding with param.shared_embedding = True on "
+            f"both the first and the last stage (or on neither)"
+        )
+    if count == 0:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=grid.embedding_group)
+    offset = 0
+    for p, g in zip(params, grads):
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+        if _grad_of(p) is None:
+            p.grad = g
+
+
+def average_losses(losses: Sequence[dict[str, Any]], grid: ProcessGrid, key: str = "loss") -> float:
+    """The mean of ``key`` over the microbatches and data-parallel replicas, on every rank.
+
+    ``losses`` is what a schedule returned (non-empty on the last pipeline stage only). The
+    last stage's mean is broadcast along the pipeline and averaged over ``grid.dp_cp_group``,
+    so every rank, including the logger on global rank 0, reports the same number.
+    Collective: call it on every rank.
+
+    Raises:
+        ValueError: the last stage has no losses (``num_microbatches`` was 0).
+    """
+    value = torch.zeros(1, dtype=torch.float64, device=grid.device)
+    if grid.is_last_stage:
+        if not losses:
+            raise ValueError("average_losses: the last pipeline stage has no microbatch losses to average")
+        value += sum(float(item[key]) for item in losses) / len(losses)
+    if grid.pp_group is not None and grid.pp_size > 1:
+        dist.broadcast(value, src=grid.pp_ranks[-1], group=grid.pp_group)
+    if grid.dp_cp_group is not None and grid.dp_size * grid.cp_size > 1:
+        dist.all_reduce(value, group=grid.dp_cp_group)
+        value /= grid.dp_size * grid.cp_size
+    return float(value.item())
