@@ -182,6 +182,12 @@ def _check_mappings(grid: ProcessGrid, gen: torch.Generator) -> None:
     y.backward(grads[r])
     assert_close(x.grad, _part(grad_total, 0, r, tp), **TOL)
 
+    x = _leaf(_part(full, 0, r, tp))
+    y = gather_from_sequence_parallel_region(x, g, tensor_parallel_output_grad=False)
+    assert_close(y, full)
+    y.backward(full * 2)
+    assert_close(x.grad, _part(full, 0, r, tp) * 2)
+
     x = _leaf(mine)
     y = reduce_scatter_to_sequence_parallel_region(x, g)
     assert_close(y, _part(total, 0, r, tp), **TOL)

@@ -185,16 +185,23 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """Sequence-parallel ``f``: all-gather the sequence dim forward, reduce-scatter backward."""
+    """Sequence-parallel ``f``: all-gather the sequence dim forward, reduce-scatter backward.
+
+    When the consumer of the gathered tensor is replicated (its gradient is already complete
+    on every rank), backward only splits instead of summing.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, partial_grad: bool) -> torch.Tensor:
         ctx.group = group
+        ctx.partial_grad = partial_grad
         return all_gather_dim0(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_dim0(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.partial_grad:
+            return reduce_scatter_dim0(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -263,15 +270,25 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGrou
     return _ScatterToSP.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup | None, *, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """Sequence-parallel ``f``: all-gather dim 0 ``[s/tp, ...] -> [s, ...]``; backward reduce-scatters.
 
     Used before a column-parallel layer: every rank needs the whole sequence, and each rank's
     input gradient is a partial sum over the hidden shards, so backward sums and re-splits it.
+
+    Args:
+        x: this rank's sequence shard ``[s/tp, ...]``.
+        group: tensor-parallel group (None: identity).
+        tensor_parallel_output_grad: the gradient arriving in backward is a per-rank partial
+            sum (true before a tensor-parallel layer). Pass False when the gathered tensor
+            feeds replicated computation (e.g. the final output used identically on every
+            rank): backward then just keeps this rank's slice.
     """
     if group_size(group) == 1:
         return x
-    return _GatherFromSP.apply(x, group)
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
