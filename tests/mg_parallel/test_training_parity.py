@@ -208,9 +208,9 @@ def train(grid: ProcessGrid, *, distributed: bool, micro: int = 1, clip: float =
                 loss = ddp(xm, tm) / micro
                 opt.scale_loss(loss).backward()
             total += loss.item()
+        finalize_model_grads([ddp], grid)
         if hook is not None:
             hook(step, ddp, grid)
-        finalize_model_grads([ddp], grid)
         ok, norm = opt.step()
         applied.append(ok)
         norms.append(norm)

@@ -24,6 +24,11 @@ from mg_parallel.grid import ProcessGrid
 __all__ = ["DistributedDataParallel"]
 
 
+# Newer torch renamed the flat-tensor collectives; use whichever this version has.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -192,7 +197,7 @@ class DistributedDataParallel(nn.Module):
         if self.use_distributed_optimizer:
             n = bucket.numel // self.dp_size
             shard = bucket.grad_data[self.dp_rank * n : (self.dp_rank + 1) * n]
-            bucket.handle = dist.reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
+            bucket.handle = _reduce_scatter(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
 
@@ -221,7 +226,7 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:
             lo, hi = self.local_shard(b)
             assert b.param_data is not None
-            b.gather_handle = dist.all_gather_into_tensor(
+            b.gather_handle = _all_gather(
                 b.param_data, b.param_data[lo:hi], group=self.dp_group, async_op=True
             )
         if not overlap:

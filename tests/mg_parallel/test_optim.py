@@ -1,0 +1,115 @@
+"""Distributed optimizer: per-rank state memory, sharded state_dict structure and resume,
+configuration errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from mg_parallel.distributed import DistributedDataParallel, finalize_model_grads
+from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
+from mg_parallel.optimizer import OptimizerConfig, build_optimizer
+from mg_parallel.testing import run_distributed
+
+from .test_training_parity import B, TinyModel, batch, full_weights, train
+
+
+def _big_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.LayerNorm(128), nn.Linear(128, 97))
+
+
+def _memory_worker() -> dict:
+    out = {}
+    for name, grid in (("dp4", build_grid(ParallelDims())), ("dp1", ProcessGrid.single())):
+        model = _big_model().to(torch.bfloat16)
+        ddp = DistributedDataParallel(model, grid, bucket_size_mb=0.05, use_distributed_optimizer=True,
+                                      grad_reduce_in_fp32=True)
+        opt = build_optimizer([ddp], grid, OptimizerConfig(precision="bf16", use_distributed_optimizer=True))
+        out[name] = opt.state_bytes()
+        out[f"{name}_params"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def test_distributed_optimizer_state_is_a_quarter_at_dp4():
+    results = run_distributed(_memory_worker, 4)
+    for r in results:
+        ratio = r["dp4"] / r["dp1"]
+        assert abs(ratio - 0.25) <= 0.25 * 0.05, f"state bytes dp4/dp1 = {ratio:.4f}"
+        # fp32 main params + two fp32 moments: 12 bytes per parameter at dp=1 (padding aside).
+        assert abs(r["dp1"] / r["dp1_params"] - 12) < 0.1
+
+
+def _state_worker(distributed: bool) -> dict:
+    grid = build_grid(ParallelDims())
+    # Uninterrupted: 6 steps. Interrupted: 3 steps, save, fresh model+optimizer, load, 3 steps.
+    full, *_ = train(grid, distributed=distributed, steps=6)
+    _, _, _, opt, _ = train(grid, distributed=distributed, steps=3)
+    state = opt.state_dict()
+    model_state = {k: v.clone() for k, v in opt.chunks[0].state_dict().items()}
+    torch.manual_seed(0)
+    model = TinyModel(full_weights())
+    model.load_state_dict(model_state)
+    ddp = DistributedDataParallel(model, grid, bucket_size_mb=0.004, use_distributed_optimizer=distributed)
+    opt2 = build_optimizer([ddp], grid, OptimizerConfig(lr=1.0, weight_decay=0.0, clip_grad=0.0,
+                                                        use_distributed_optimizer=distributed))
+    opt2.load_state_dict(state)
+    per = B // grid.dp_size
+    for x, t in batch(steps=6)[3:]:
+        opt2.zero_grad()
+        ddp(x[:, grid.dp_rank * per : (grid.dp_rank + 1) * per], t[:, grid.dp_rank * per : (grid.dp_rank + 1) * per]).backward()
+        finalize_model_grads([ddp], grid)
+        opt2.step()
+    err = max((p.detach() - full[-1][n]).abs().max().item() for n, p in model.named_parameters())
+    entries = {n: (e["flat_offset"], e["numel"], e["shape"], e["exp_avg"].shape, e["main_param"].dtype)
+               for n, e in state["chunks"][0].items()}
+    bad_layout = dict(state)
+    bad_layout["chunks"] = [{n: {**e, "flat_offset": e["flat_offset"] + 1} for n, e in state["chunks"][0].items()}]
+    try:
+        opt2.load_state_dict(bad_layout)
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return {"err": err, "entries": entries, "step": state["step"], "groups": state["param_groups"], "bad": bad,
+            "numels": {n: p.numel() for n, p in model.named_parameters()}}
+
+
+def test_state_dict_slices_and_resume():
+    for distributed in (True, False):
+        results = run_distributed(_state_worker, 2, distributed)
+        for r in results:
+            assert r["err"] < 1e-6, f"resumed training diverged (distributed={distributed}): {r['err']}"
+            assert r["step"] == 3 and r["groups"][0]["lr"] == pytest.approx(1e-2)  # lr/wd come from the state
+            assert r["bad"] is not None and "another parallel layout" in r["bad"]
+            for n, (_, numel, shape, st_shape, dtype) in r["entries"].items():
+                assert st_shape == (numel,) and dtype == torch.float32
+                assert list(shape) == list(results[0]["entries"].get(n, r["entries"][n])[2])
+        # The dp ranks' slices tile each parameter's flat state exactly once.
+        numels = results[0]["numels"]
+        for n, total in numels.items():
+            covered = sorted((r["entries"][n][0], r["entries"][n][1]) for r in results if n in r["entries"])
+            if not distributed:
+                assert covered == [(0, total), (0, total)]
+                continue
+            pos = 0
+            for off, numel in covered:
+                assert off == pos, f"{n}: slices {covered}"
+                pos += numel
+            assert pos == total
+
+
+def test_config_and_builder_errors():
+    with pytest.raises(ValueError, match="optimizer.precision"):
+        OptimizerConfig(precision="fp8")
+    with pytest.raises(ValueError, match="optimizer.clip_grad"):
+        OptimizerConfig(clip_grad=-1)
+    with pytest.raises(ValueError, match="optimizer.adam_beta2"):
+        OptimizerConfig(adam_beta2=1.0)
+    with pytest.raises(ValueError, match="overlap_param_gather"):
+        OptimizerConfig(overlap_param_gather=True)
+    grid = ProcessGrid.single()
+    with pytest.raises(ValueError, match="wrap it in mg_parallel.distributed.DistributedDataParallel"):
+        build_optimizer([_big_model()], grid, OptimizerConfig())
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        build_optimizer(DistributedDataParallel(_big_model(), grid), grid, OptimizerConfig(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match=r"precision='bf16'.*\.to\(torch.bfloat16\)"):
+        build_optimizer(DistributedDataParallel(_big_model(), grid), grid, OptimizerConfig(precision="bf16"))
