@@ -170,7 +170,7 @@ def build_in_worker(prefix, cache, barrier):
 
 def test_concurrent_cache_build_by_four_processes(tmp_path):
     unique_token_corpus(tmp_path / "u", num_docs=3000, max_len=200)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # fast start; the processes share nothing but the cache directory
     with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
         barrier = manager.Barrier(4)
         results = list(pool.map(build_in_worker, [str(tmp_path / "u")] * 4, [str(tmp_path / "c")] * 4,
