@@ -93,6 +93,8 @@ class TrainSection:
     precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "compute precision (bf16/fp16 keep fp32 main weights)")
     exit_after_minutes: float | None = _f(None, "save (if configured) and stop after this many minutes")
     threads: int | None = _f(None, "torch intra-op threads per process (null: cores / local processes)")
+    loss_scale: float | None = _f(None, "fp16: constant loss scale (null: dynamic scaling)")
+    initial_loss_scale: float = _f(65536.0, "fp16 dynamic scaling: starting scale")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "iters"):

@@ -116,6 +116,7 @@ def wrap_and_build_optimizer(chunks: list[GPTModel], config: RunConfig, grid: Pr
     opt_config = OptimizerConfig(
         lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps, clip_grad=o.clip_grad, precision=t.precision,
-        use_distributed_optimizer=p.distributed_optimizer,
+        use_distributed_optimizer=p.distributed_optimizer, loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
     )
     return wrapped, build_optimizer(wrapped, grid, opt_config)

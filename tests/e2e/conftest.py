@@ -1,0 +1,80 @@
+"""Shared end-to-end fixtures: a corpus from the standard library's sources, a tokenizer trained on
+it, its preprocessed dataset, and a helper to run ``mg`` as users do (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stdlib_corpus(out: Path, max_bytes: int) -> Path:
+    """JSONL of Python standard-library source files (sorted, so the corpus is deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    with open(out, "w") as f:
+        for path in sorted(root.glob("*.py")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text)
+            if total >= max_bytes:
+                break
+    return out
+
+
+def mg(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
+       check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m mg_cli.main ARGS`` and return the completed process (text output)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "mg_cli.main", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mg {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(log_dir: Path) -> dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """Tokenizer + dataset prefix shared by every end-to-end test."""
+    root = tmp_path_factory.mktemp("corpus")
+    jsonl = stdlib_corpus(root / "corpus.jsonl", 1_500_000)
+    mg("tokenizer", "train", "--input", str(jsonl), "--output-prefix", str(root / "tok"), "--vocab-size", "512",
+       "--max-lines", "50000")
+    mg("preprocess", "--input", str(jsonl), "--tokenizer-model", str(root / "tok.model"), "--output-prefix",
+       str(root / "data"), "--append-eod", "--workers", "2", "--partition-mb", "1")
+    return {"root": root, "jsonl": jsonl, "tokenizer": root / "tok.model", "prefix": root / "data_text_document"}
+
+
+TINY = [
+    "model.preset=tiny-gpt2", "model.num_layers=4", "model.seq_length=32",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.seed=7",
+    "optim.lr=3e-3", "optim.warmup_iters=2", "optim.decay_style=cosine", "optim.clip_grad=1.0",
+    "eval.interval=0", "eval.iters=1", "log.interval=1", "data.num_workers=0", "train.threads=1",
+]
+
+
+def tiny_args(corpus: dict[str, Path], log_dir: Path, *extra: str, iters: int = 20) -> list[str]:
+    """``mg train`` arguments for the tiny test model; ``extra`` are more ``--set`` values or flags."""
+    args = ["train"]
+    for s in TINY + [f"train.iters={iters}", f"data.path={corpus['prefix']}",
+                     f"data.tokenizer_model={corpus['tokenizer']}", f"log.dir={log_dir}"]:
+        args += ["--set", s]
+    for e in extra:
+        args += ["--set", e] if "=" in e and not e.startswith("--") else [e]
+    return args
