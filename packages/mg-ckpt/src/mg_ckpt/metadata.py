@@ -180,7 +180,7 @@ def validate_metadata(meta: Any, ckpt: str) -> None:
             total += n
             if None in ranges:
                 if len(ranges) > 1:
-                    raise CheckpointError(f"{what}: block at {list(off)} is stored whole and again in flat pieces")
+                    raise CheckpointError(f"{what}: block at {list(off)} is stored more than once (whole and/or in flat pieces)")
                 continue
             pos = 0
             for a, b in sorted(ranges):  # type: ignore[type-var]

@@ -86,6 +86,8 @@ class SaveHandle:
         """
         if self._thread is not None:
             self._thread.join()
+        if self in _PENDING:  # the caller now sees the outcome; later saves need not report it again
+            _PENDING.remove(self)
         if self._error is not None:
             if isinstance(self._error, CheckpointError):
                 raise self._error
@@ -100,7 +102,7 @@ def finalize() -> None:
     """
     first: BaseException | None = None
     while _PENDING:
-        handle = _PENDING.pop(0)
+        handle = _PENDING[0]
         try:
             handle.wait()
         except CheckpointError as e:
@@ -280,6 +282,7 @@ def _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra, lay
     result: Any
     try:
         result = None
+        _step("before_write")
         if items:
             info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items)
             result = (_shard_name(rank), {"size": info.size, "sha256": info.sha256})
@@ -332,8 +335,12 @@ def _commit(save_dir: str, tmp: str, ckpt: str) -> None:
 
 def _clean_stale(save_dir: str) -> None:
     for name in os.listdir(save_dir):
-        if name.startswith((".tmp_iter_", ".trash_")):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        if name.startswith((".tmp_iter_", ".trash_", "latest.tmp")):
+            path = os.path.join(save_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
 
 
 def _retain(save_dir: str, just_saved: int, keep_last: int) -> None:
