@@ -186,3 +186,16 @@ def test_config_validation():
         PreprocessConfig(input=["x"], output_prefix="o", tokenizer_model=None)
     with pytest.raises(FileNotFoundError, match="nothere.jsonl: input file not found"):
         run_preprocess(PreprocessConfig(input=["nothere.jsonl"], output_prefix="o", tokenizer_model="m"))
+
+
+def test_tokenizer_problems_fail_before_work(tmp_path, corpus):
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="junk.model: not a loadable SentencePiece model"):
+        run_preprocess(PreprocessConfig(input=[str(corpus)], output_prefix=str(tmp_path / "o"),
+                                        tokenizer_model=str(junk), workers=2))
+    s = run_preprocess(PreprocessConfig(input=[str(corpus)], output_prefix=str(tmp_path / "n"), tokenizer_model=None,
+                                        tokenizer_type="ByteTokenizer", append_eod=True))
+    ds = IndexedDataset(s.outputs["text"])
+    first = json.loads(corpus.read_text().split("\n")[0])["text"]
+    assert ds[0].tolist() == list(first.encode()) + [256] and ds.dtype == np.uint16

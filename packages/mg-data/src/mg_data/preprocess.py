@@ -180,10 +180,15 @@ class _Task:
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(config: PreprocessConfig, parts_dir: str) -> None:
+def _load_tokenizer(config: PreprocessConfig) -> Tokenizer:
     tok = config.tokenizer_spec().build()
     if config.append_eod and tok.eod is None:
         raise ValueError(f"{config.tokenizer_model}: tokenizer has no end-of-document id; drop --append-eod")
+    return tok
+
+
+def _init_worker(config: PreprocessConfig, parts_dir: str, tok: Tokenizer | None = None) -> None:
+    tok = tok or _load_tokenizer(config)
     _STATE.update(config=config, tok=tok, parts_dir=parts_dir, dtype=optimal_dtype(tok.vocab_size),
                   splitter=get_splitter(config.sentence_splitter) if config.split_sentences else None)
 
@@ -252,7 +257,6 @@ def _process(task: _Task) -> dict[str, Any]:
         lines.pop()
     stats: dict[str, Any] = {"index": task.index, "path": task.path, "start": task.start,
                              "line_base": task.line_base, "documents": 0, "bytes": len(data),
-                             "dtype": np.dtype(_STATE["dtype"]).str,
                              "bad_lines": 0, "bad": [], "blank_lines": 0,
                              "tokens": {k: 0 for k in cfg.json_keys}, "empty": {k: 0 for k in cfg.json_keys}}
     columns: list[list[str]] = [[] for _ in cfg.json_keys]
@@ -383,6 +387,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
     """
     t0 = time.perf_counter()
     files = expand_inputs(config.input)
+    tok = _load_tokenizer(config)  # here first, so a bad tokenizer fails clearly before any worker starts
     parts_dir = f"{config.output_prefix}.parts-{_fingerprint(config, files)}"
     os.makedirs(parts_dir, exist_ok=True)
     outputs = config.output_prefixes()
@@ -426,7 +431,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
                 yield task
 
     if config.workers == 1:
-        _init_worker(config, parts_dir)
+        _init_worker(config, parts_dir, tok)
         for task in pending():
             finished(_process(task), resumed=False)
     else:
@@ -455,10 +460,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         raise BadLineError(first["path"], _absolute_line(first, rel), reason)
     order = sorted(done_stats)
     level = config.level
-    if order:
-        dtype = np.dtype(done_stats[order[0]]["dtype"])
-    else:
-        dtype = np.dtype(optimal_dtype(config.tokenizer_spec().build().vocab_size))
+    dtype = np.dtype(optimal_dtype(tok.vocab_size))
     for key, out in outputs.items():
         with IndexedDatasetBuilder(out, dtype, durable=config.fsync) as builder:
             for i in order:
