@@ -90,9 +90,12 @@ class GPTDataset:
             config.cache_dir, stem, key, ("document_index", "sample_index", "shuffle_index"), build,
             {"prefix": indexed.prefix, "split": name, "sequences": [s0, s1], "num_samples": num_samples,
              "seq_length": config.seq_length, "seed": config.seed})
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        # plain ndarray views of the (possibly memory-mapped) arrays: cheaper element access
+        self.document_index = np.asarray(arrays["document_index"])
+        self.sample_index = np.asarray(arrays["sample_index"])
+        self.shuffle_index = np.asarray(arrays["shuffle_index"])
+        self._tokens = indexed._bin
+        self._itemsize = indexed.dtype.itemsize
         self.cache_key = key
 
     def __len__(self) -> int:
@@ -100,15 +103,20 @@ class GPTDataset:
 
     def sample_tokens(self, i: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens of unshuffled sample ``i`` (int64)."""
-        (j0, o0), (j1, o1) = self.sample_index[i], self.sample_index[i + 1]
-        j0, o0, j1, o1 = int(j0), int(o0), int(j1), int(o1)
-        get, doc = self.indexed.get, self.document_index
+        j0, o0, j1, o1 = self.sample_index[i:i + 2].ravel().tolist()
+        doc = self.document_index[j0:j1 + 1].tolist()
+        starts = (self.indexed.sequence_pointers[doc] // self._itemsize).tolist()
+        tokens = self._tokens
         if j0 == j1:
-            return get(int(doc[j0]), o0, o1 - o0 + 1).astype(np.int64)
-        parts = [get(int(doc[j0]), o0)]
-        parts += [get(int(doc[j])) for j in range(j0 + 1, j1)]
-        parts.append(get(int(doc[j1]), 0, o1 + 1))
-        return np.concatenate(parts).astype(np.int64)
+            return tokens[starts[0] + o0:starts[0] + o1 + 1].astype(np.int64)
+        ends = (np.asarray(starts[:-1]) + self.indexed.sequence_lengths[doc[:-1]]).tolist()
+        out = np.empty(self.config.seq_length + 1, dtype=np.int64)
+        pos = 0
+        pieces = [(starts[0] + o0, ends[0])] + list(zip(starts[1:-1], ends[1:])) + [(starts[-1], starts[-1] + o1 + 1)]
+        for a, b in pieces:
+            out[pos:pos + b - a] = tokens[a:b]
+            pos += b - a
+        return out
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         """Sample ``idx`` of the shuffled order (see the class docstring for the keys)."""
@@ -124,6 +132,10 @@ def make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndar
     s = len(tokens)
     loss_mask = np.ones(s, dtype=np.float32)
     eod = config.eod_id
+    if not (config.eod_mask_loss or config.reset_position_ids or config.reset_attention_mask
+            or config.create_attention_mask):
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": np.arange(s, dtype=np.int64)}
     is_eod = tokens == eod if eod is not None else np.zeros(s, dtype=bool)
     if config.eod_mask_loss:
         loss_mask[is_eod] = 0.0

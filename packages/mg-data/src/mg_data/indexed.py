@@ -125,7 +125,7 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{path}: {what}: {size} bytes but the header ({n} sequences, "
                                       f"{d} document-index entries) implies {expected}")
         self.dtype = np.dtype(DTYPE_CODES[code])
-        self._idx_map = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
+        self._idx_map = np.asarray(np.memmap(path, dtype=np.uint8, mode="r")) if size > 0 else None
         buf = self._idx_map
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(buf, dtype="<i4", count=n, offset=off)
@@ -151,7 +151,8 @@ class IndexedDataset:
         if size % itemsize:
             raise IndexedDatasetError(f"{self.bin_path}: size {size} is not a multiple of the "
                                       f"{self.dtype} item size {itemsize}")
-        self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size
+        # A plain ndarray view of the map: slicing an np.memmap subclass costs several times more.
+        self._bin = (np.asarray(np.memmap(self.bin_path, dtype=self.dtype, mode="r")) if size
                      else np.empty(0, dtype=self.dtype))
 
     def __len__(self) -> int:
