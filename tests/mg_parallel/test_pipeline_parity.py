@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from mg_parallel import ParallelDims, build_grid
+from mg_parallel.distributed import DistributedDataParallel
+from mg_parallel.optimizer import OptimizerConfig, build_optimizer
 from mg_parallel.pipeline import (
     ScheduleRecorder,
     average_losses,
@@ -39,19 +41,30 @@ def _forward_step(batch, model):
 
 def _train(case: dict) -> dict:
     torch.manual_seed(0)
-    pp, vpp, m = case["pp"], case.get("vpp", 1), case["m"]
-    tied, scale = case.get("tied", False), case.get("loss_scale")
-    grid = _grid(1, pp)
+    pp, vpp, m, tp, sp = case["pp"], case.get("vpp", 1), case["m"], case.get("tp", 1), case.get("sp", False)
+    tied, scale, ddp = case.get("tied", False), case.get("loss_scale"), case.get("ddp", False)
+    grid = _grid(tp, pp)
     ranges = partition_layers(M.NUM_LAYERS, pp, vpp, case.get("first"), case.get("last"))[grid.pp_rank]
-    chunks = [
+    stages = [
         M.Stage(r, first=grid.is_first_stage and c == 0, last=grid.is_last_stage and c == vpp - 1, tied=tied,
-                recompute=case.get("recompute", False))
+                recompute=case.get("recompute", False), grid=grid, sp=sp)
         for c, r in enumerate(ranges)
     ]
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    opt = torch.optim.SGD(params, lr=M.LR, momentum=M.MOMENTUM)
+    params = [p for chunk in stages for p in chunk.parameters()]
+    if ddp:
+        distributed = case.get("distopt", False)
+        chunks = [DistributedDataParallel(s, grid, bucket_size_mb=0.01, use_distributed_optimizer=distributed)
+                  for s in stages]
+        opt = build_optimizer(chunks, grid, OptimizerConfig(lr=M.ADAM_LR, weight_decay=0.0, clip_grad=M.CLIP,
+                                                             use_distributed_optimizer=distributed))
+        scale = None
+    else:
+        chunks = stages
+        opt = torch.optim.SGD(params, lr=M.LR, momentum=M.MOMENTUM)
     schedule = get_forward_backward_func(grid, vpp if vpp > 1 else None)
-    kwargs = dict(tensor_shape=(M.SEQ, M.MICRO_BATCH, M.HIDDEN), dtype=torch.float32)
+    seq = M.SEQ // tp if sp else M.SEQ  # sequence parallelism sends this rank's shard of the sequence
+    kwargs = dict(tensor_shape=(seq, M.MICRO_BATCH, M.HIDDEN), dtype=torch.float32)
+    ours = slice(grid.dp_rank * m, (grid.dp_rank + 1) * m)
     recorder, losses, max_live = ScheduleRecorder(), [], 0
 
     def peak(pp_rank, chunk, microbatch, kind, t0, t1):
@@ -61,21 +74,22 @@ def _train(case: dict) -> dict:
 
     for step in range(M.STEPS):
         opt.zero_grad()
-        out = schedule(_forward_step, iter(M.make_batches(step, m)), chunks, m, grid,
+        out = schedule(_forward_step, iter(M.make_batches(step, m * grid.dp_size)[ours]), chunks, m, grid,
                        recorder=peak if step == 0 else None,
-                       scale_loss=(lambda loss: loss * scale) if scale else None, **kwargs)
+                       scale_loss=opt.scale_loss if ddp else (lambda loss: loss * scale) if scale else None, **kwargs)
         if scale:
             for p in params:
                 p.grad /= scale
         assert (len(out) == m) == grid.is_last_stage
         losses.append(average_losses(out, grid))
         opt.step()
-    evals = schedule(_forward_step, iter(M.make_batches(M.STEPS, m)), chunks, m, grid, forward_only=True, **kwargs)
+    evals = schedule(_forward_step, iter(M.make_batches(M.STEPS, m * grid.dp_size)[ours]), chunks, m, grid,
+                     forward_only=True, **kwargs)
     params_out = {}
-    for chunk in chunks:
-        params_out.update(chunk.global_params(tied))
-    return {"losses": losses, "eval": average_losses(evals, grid), "params": params_out,
-            "order": recorder.order(), "max_live": max_live, "pp_rank": grid.pp_rank}
+    for stage in stages:
+        params_out.update(stage.global_params(tied))
+    return {"losses": losses, "eval": average_losses(evals, grid), "params": params_out, "order": recorder.order(),
+            "max_live": max_live, "pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank}
 
 
 def _train_cases(cases: list[dict]) -> list[dict]:
@@ -83,9 +97,20 @@ def _train_cases(cases: list[dict]) -> list[dict]:
 
 
 def _check(case: dict, per_rank: list[dict]) -> None:
-    ref_losses, ref_eval, ref_params = M.reference_run(case["m"], tied=case.get("tied", False))
+    dp = len(per_rank) // (case["pp"] * case.get("tp", 1))
+    ref_losses, ref_eval, ref_params = M.reference_run(case["m"] * dp, tied=case.get("tied", False),
+                                                       adam=case.get("ddp", False))
+    # Join tensor-parallel shards: rank (tp=0) collects its peers' shards in tp order.
+    for r in per_rank:
+        for name, value in r["params"].items():
+            if isinstance(value, tuple) and r["tp_rank"] == 0:
+                peers = sorted((q for q in per_rank if (q["pp_rank"], q["dp_rank"]) == (r["pp_rank"], r["dp_rank"])),
+                               key=lambda q: q["tp_rank"])
+                r["params"][name] = torch.cat([q["params"][name][0] for q in peers], dim=value[1])
     seen = set()
     for r in per_rank:
+        if r["tp_rank"] != 0:
+            continue
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda s: f"{case}: losses differ: {s}")
         assert r["eval"] == pytest.approx(ref_eval, rel=1e-5), case
@@ -144,6 +169,10 @@ CASES_4 = [
     dict(pp=4, vpp=2, m=8),
     dict(pp=4, m=4, first=1, last=1),
     dict(pp=4, vpp=2, m=4, first=0, last=2),
+    dict(pp=2, tp=2, m=3),
+    dict(pp=2, tp=2, sp=True, vpp=2, m=4, tied=True),
+    dict(pp=2, m=3, ddp=True, distopt=True, tied=True),
+    dict(pp=2, vpp=2, m=2, ddp=True),
 ]
 
 
