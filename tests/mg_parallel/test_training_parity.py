@@ -195,6 +195,10 @@ def train(grid: ProcessGrid, *, distributed: bool, micro: int = 1, clip: float =
                           precision=precision, **(extra or {}))
     opt = build_optimizer([ddp], grid, cfg)
     per_rank = B // grid.dp_size
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
     out, losses, norms, applied = [], [], [], []
     for step, (x, t) in enumerate(batch(steps=steps)):
         opt.zero_grad()
@@ -206,6 +210,10 @@ def train(grid: ProcessGrid, *, distributed: bool, micro: int = 1, clip: float =
             ctx = ddp.no_sync() if not last else _null()
             with ctx:
                 loss = ddp(xm, tm) / micro
+                if m == 0 and step > 0:
+                    # Read the previous step's parameters after a forward: with overlapped param
+                    # all-gather, the forward pre-hooks are what makes them complete.
+                    out.append(snapshot())
                 opt.scale_loss(loss).backward()
             total += loss.item()
         finalize_model_grads([ddp], grid)
@@ -218,7 +226,8 @@ def train(grid: ProcessGrid, *, distributed: bool, micro: int = 1, clip: float =
         if grid.dp_group is not None:
             torch.distributed.all_reduce(lt, group=grid.dp_group)
         losses.append(lt.item())
-        out.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    ddp.finish_param_sync()
+    out.append(snapshot())
     return out, losses, norms, opt, applied
 
 
@@ -254,7 +263,7 @@ def _parity_worker(variants: list[dict]) -> dict[str, dict]:
         ref_params, ref_losses, ref_norms = refs[clip]
         out, losses, norms, opt, _ = train(
             grid, distributed=var["distributed"], micro=var.get("micro", 1), clip=clip, sp=var.get("sp", False),
-            zero_stage=var.get("zero_stage", 1),
+            zero_stage=var.get("zero_stage", 1), extra={"overlap_param_gather": var.get("overlap_gather", False)},
         )
         shapes = {n: p for c in opt.chunks for n, p in c.module.named_parameters()}
         key = ",".join(f"{k}={v}" for k, v in sorted(var.items()))
@@ -289,7 +298,7 @@ def test_parity_two_ranks_dp1_dp2_tp2():
         {"distributed": True, "micro": 4},
         {"distributed": True, "clip": 0.05},
         {"distributed": False, "clip": 0.05, "micro": 4},
-        {"distributed": True, "zero_stage": 2, "micro": 4},
+        {"distributed": True, "zero_stage": 2, "micro": 4, "overlap_gather": True},
         {"tp": 2, "distributed": False},
         {"tp": 2, "distributed": True, "clip": 0.05},
     ], timeout=240)

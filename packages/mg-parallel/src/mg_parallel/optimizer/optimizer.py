@@ -48,6 +48,7 @@ class _Piece:
     exp_avg_sq: torch.Tensor
     group: int
     counted: bool
+    aliased: bool  # main is the fp32 model parameter itself: nothing to copy back
 
 
 class MegatronStyleOptimizer:
@@ -125,6 +126,7 @@ class MegatronStyleOptimizer:
                     grad=bucket.grad_data[s:e], main=main,
                     exp_avg=exp_avg[s - lo : e - lo], exp_avg_sq=exp_avg_sq[s - lo : e - lo],
                     group=group, counted=counts_in_norm(p, self.grid, sharded_over_dp=self.distributed),
+                    aliased=main_shard is None,
                 )
             )
 
@@ -164,10 +166,8 @@ class MegatronStyleOptimizer:
             for g in grads:
                 g.mul_(inv)
             found = torch.zeros((), dtype=torch.float32, device=self.grid.device)
-            for g in grads:
-                if g.numel() and not torch.isfinite(g).all():
-                    found.fill_(1.0)
-                    break
+            for g in grads:  # stays on the device: one host sync for the whole check
+                found += (~torch.isfinite(g)).any().to(found.device, torch.float32)
             # Every rank (all tp/pp/cp/dp peers) must agree to skip, or parameters would diverge.
             if self.grid.world_size > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -182,7 +182,7 @@ class MegatronStyleOptimizer:
         self.step_count += 1
         self._adamw(grads)
         for piece in self.pieces:
-            if piece.main.data_ptr() != piece.param.data.view(-1)[piece.flat_offset :].data_ptr():
+            if not piece.aliased:
                 piece.param.data.view(-1)[piece.flat_offset : piece.flat_offset + piece.numel].copy_(piece.main)
         self._release_grads()
         if self.distributed:
@@ -288,7 +288,8 @@ class MegatronStyleOptimizer:
                 dst.copy_(src)
             cursor[key] = start + piece.numel
         for piece in self.pieces:
-            piece.param.data.view(-1)[piece.flat_offset : piece.flat_offset + piece.numel].copy_(piece.main)
+            if not piece.aliased:
+                piece.param.data.view(-1)[piece.flat_offset : piece.flat_offset + piece.numel].copy_(piece.main)
         if self.distributed:
             for chunk in self.chunks:
                 chunk.start_param_sync(overlap=False)

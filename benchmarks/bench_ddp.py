@@ -1,0 +1,135 @@
+"""Data-parallel scaling and bucketed-overlap benchmark.
+
+Same global batch, same ~20M-parameter MLP stack, fp32 (and bf16 with --bf16):
+
+* reference: 1 rank x 2 threads (no communication);
+* DDP: 2 ranks x 1 thread, half the batch each, bucketed all-reduce overlapped with backward;
+* DDP without overlap: the same wrapper reducing every bucket after backward.
+
+Timed step = zero_grad + forward + backward + finish_grad_sync (the part data parallelism changes;
+the optimizer step is reported separately with the distributed optimizer). Scaling efficiency
+= t(1 rank x 2 threads) / t(2 ranks x 1 thread). Configurations are run alternately for
+``--rounds`` rounds and the best median of each is kept, since the machine is shared.
+
+Run from the repo root: ``.venv/bin/python benchmarks/bench_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def build_model(hidden: int, layers: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden)]
+    return nn.Sequential(*blocks).to(dtype)
+
+
+def _worker(rank: int, world: int, threads: int, init_file: str, cfg: dict, queue) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from mg_parallel.distributed import DistributedDataParallel, finalize_model_grads
+    from mg_parallel.grid import ParallelDims, build_grid
+    from mg_parallel.optimizer import OptimizerConfig, build_optimizer
+
+    dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
+    grid = build_grid(ParallelDims())
+    model = build_model(cfg["hidden"], cfg["layers"], dtype)
+    ddp = DistributedDataParallel(
+        model, grid, bucket_size_mb=cfg["bucket_mb"], overlap_grad_reduce=cfg["overlap"],
+        grad_reduce_in_fp32=cfg["bf16"], use_distributed_optimizer=cfg["zero"],
+    )
+    opt = build_optimizer([ddp], grid, OptimizerConfig(
+        precision="bf16" if cfg["bf16"] else "fp32", use_distributed_optimizer=cfg["zero"]))
+    per = cfg["batch"] // world
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(per, cfg["hidden"], generator=g).to(dtype)
+    times, opt_times = [], []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        ddp(x).float().pow(2).mean().backward()
+        finalize_model_grads([ddp], grid)
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        if i >= cfg["warmup"]:
+            times.append(t1 - t0)
+            opt_times.append(t2 - t1)
+    # The slowest rank defines the step.
+    t = torch.tensor([statistics.median(times), statistics.median(opt_times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put((t[0].item(), t[1].item(), sum(p.numel() for p in model.parameters())))
+    dist.destroy_process_group()
+
+
+def run(world: int, threads: int, cfg: dict) -> tuple[float, float, int]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_worker, args=(r, world, threads, os.path.join(d, "store"), cfg, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=600)
+        for p in procs:
+            p.join()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=64, help="global batch (rows)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=10.0)
+    ap.add_argument("--bf16", action="store_true")
+    args = ap.parse_args()
+    base = dict(hidden=args.hidden, layers=args.layers, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                bucket_mb=args.bucket_mb, bf16=args.bf16)
+    configs = {
+        "1 rank x 2 threads": (1, 2, dict(base, overlap=True, zero=False)),
+        "2 ranks x 1 thread, overlap": (2, 1, dict(base, overlap=True, zero=False)),
+        "2 ranks x 1 thread, no overlap": (2, 1, dict(base, overlap=False, zero=False)),
+        "2 ranks x 1 thread, overlap, distributed optimizer": (2, 1, dict(base, overlap=True, zero=True)),
+    }
+    best: dict[str, tuple[float, float]] = {}
+    nparams = 0
+    for _ in range(args.rounds):
+        for name, (world, threads, cfg) in configs.items():
+            t, t_opt, nparams = run(world, threads, cfg)
+            if name not in best or t < best[name][0]:
+                best[name] = (t, t_opt)
+    dtype = "bf16" if args.bf16 else "fp32"
+    print(f"model: {nparams / 1e6:.1f}M params, {dtype}, global batch {args.batch} x {args.hidden}, "
+          f"bucket {args.bucket_mb} MB, {args.steps} timed steps, best of {args.rounds} rounds")
+    print(f"{'configuration':<52} {'fwd+bwd+sync ms':>16} {'optimizer ms':>13}")
+    for name, (t, t_opt) in best.items():
+        print(f"{name:<52} {t * 1e3:>16.1f} {t_opt * 1e3:>13.1f}")
+    ref = best["1 rank x 2 threads"][0]
+    ov = best["2 ranks x 1 thread, overlap"][0]
+    no = best["2 ranks x 1 thread, no overlap"][0]
+    print(f"scaling efficiency (1x2 / 2x1, overlap): {ref / ov:.3f}  (target >= 0.85)")
+    print(f"scaling efficiency without overlap:      {ref / no:.3f}")
+    print(f"overlap speed-up over no overlap:        {no / ov:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
