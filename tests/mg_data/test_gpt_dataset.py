@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
@@ -150,6 +151,12 @@ def test_cache_reused_and_invalidated(tmp_path):
     assert a.built_index and not b.built_index
     assert np.array_equal(np.asarray(a.sample_index), np.asarray(b.sample_index))
     assert len(list(cache.glob("gpt-u-train-*-sample_index.npy"))) == 1 and not b.sample_index.flags.owndata
+    blob = pickle.dumps(b)  # what a spawned DataLoader worker receives: paths, not arrays
+    assert len(blob) < 4096
+    c = pickle.loads(blob)
+    for i in (0, 7, 499):
+        for k, v in b[i].items():
+            np.testing.assert_array_equal(c[i][k], v)
     c = build_gpt_datasets(GPTDatasetConfig(seq_length=16, cache_dir=str(cache), seed=7), [str(tmp_path / "u")],
                            (500, None, None))[0]
     assert c.built_index

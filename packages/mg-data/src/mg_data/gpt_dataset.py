@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -94,9 +95,26 @@ class GPTDataset:
         self.document_index = np.asarray(arrays["document_index"])
         self.sample_index = np.asarray(arrays["sample_index"])
         self.shuffle_index = np.asarray(arrays["shuffle_index"])
-        self._tokens = indexed._bin
+        self._tokens = indexed.tokens
         self._itemsize = indexed.dtype.itemsize
         self.cache_key = key
+        self._cache_base = os.path.join(config.cache_dir, f"{stem}-{key}") if config.cache_dir else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # With a cache, pickle paths rather than arrays (spawned DataLoader workers re-map the files).
+        state = self.__dict__.copy()
+        del state["_tokens"]
+        if self._cache_base is not None:
+            for n in ("document_index", "sample_index", "shuffle_index"):
+                state[n] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tokens = self.indexed.tokens
+        if self._cache_base is not None:
+            for n in ("document_index", "sample_index", "shuffle_index"):
+                setattr(self, n, np.asarray(np.load(f"{self._cache_base}-{n}.npy", mmap_mode="r")))
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

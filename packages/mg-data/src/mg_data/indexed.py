@@ -155,6 +155,18 @@ class IndexedDataset:
         self._bin = (np.asarray(np.memmap(self.bin_path, dtype=self.dtype, mode="r")) if size
                      else np.empty(0, dtype=self.dtype))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle the prefix only (DataLoader workers started with spawn reopen the maps).
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["prefix"])  # type: ignore[misc]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the ``.bin`` file as one flat read-only array (memory-mapped)."""
+        return self._bin
+
     def __len__(self) -> int:
         """Number of sequences (documents, or sentences of a sentence-split dataset)."""
         return len(self.sequence_lengths)
