@@ -435,9 +435,11 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         for task in pending():
             finished(_process(task), resumed=False)
     else:
-        with ProcessPoolExecutor(config.workers, mp_context=get_context(_start_method(config)),
-                                 initializer=_init_worker,
-                                 initargs=(config, parts_dir)) as pool:
+        method = _start_method(config)
+        # forked workers inherit the loaded tokenizer; spawned ones load their own
+        inherited = tok if method == "fork" else None
+        with ProcessPoolExecutor(config.workers, mp_context=get_context(method), initializer=_init_worker,
+                                 initargs=(config, parts_dir, inherited)) as pool:
             inflight: set[Future[dict[str, Any]]] = set()
             try:
                 for task in pending():
