@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 
 import mg_ckpt.save as save_mod
-from mg_ckpt import CheckpointError, latest_iteration, list_checkpoints, load_checkpoint, save_checkpoint
+from mg_ckpt import (
+    CheckpointError,
+    latest_iteration,
+    list_checkpoints,
+    load_checkpoint,
+    release_staging_buffers,
+    save_checkpoint,
+)
 from mg_parallel.testing import run_distributed
 from tests.mg_ckpt.layouts import check_state, make_state
 
@@ -115,6 +122,21 @@ def test_async_save_keeps_values_at_call_time(tmp_path):
         release.set()
     assert handle.done() and latest_iteration(str(tmp_path)) == 2
     assert _loaded_iteration(str(tmp_path)) == 2
+
+
+def test_async_saves_reuse_buffers_but_not_values(tmp_path):
+    state = state_at(0)
+    for it in (1, 2, 3):
+        for i, t in enumerate(state.values()):
+            t.fill_(float(it * 10 + i))
+        handle = save_checkpoint(str(tmp_path), it, state, async_save=True, keep_last=1)
+        for t in state.values():
+            t.fill_(-1.0)
+        handle.wait()
+        assert _loaded_iteration(str(tmp_path)) == it
+    assert len(save_mod._STAGING) == 4
+    release_staging_buffers()
+    assert not save_mod._STAGING
 
 
 def test_async_failure_is_reraised_not_swallowed(tmp_path):

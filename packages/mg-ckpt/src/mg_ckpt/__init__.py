@@ -19,7 +19,7 @@ from mg_ckpt.hf import iter_hf_safetensors, read_hf_index, write_hf_safetensors
 from mg_ckpt.inspect import CheckpointReport, inspect_checkpoint
 from mg_ckpt.load import load_checkpoint
 from mg_ckpt.metadata import checkpoint_dir, latest_iteration, list_checkpoints
-from mg_ckpt.save import SaveHandle, finalize, save_checkpoint
+from mg_ckpt.save import SaveHandle, finalize, release_staging_buffers, save_checkpoint
 from mg_ckpt.sharded import ShardedTensor
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "read_hf_index",
+    "release_staging_buffers",
     "save_checkpoint",
     "write_hf_safetensors",
 ]

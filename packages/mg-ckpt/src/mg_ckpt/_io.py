@@ -112,6 +112,9 @@ def write_safetensors(
     for name, t in items:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"write_safetensors: tensor {name!r} must be a contiguous CPU tensor")
+    # Widest element first: with the 8-byte aligned header, every tensor's data is then aligned
+    # to its element size (as the safetensors library lays files out), so readers can map it.
+    items = sorted(items, key=lambda it: -it[1].element_size())
     head = build_header(items, metadata)
     digest = hashlib.sha256()
     chunks: queue.Queue[memoryview | None] = queue.Queue(maxsize=4)

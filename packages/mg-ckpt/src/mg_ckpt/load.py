@@ -2,7 +2,8 @@
 
 Every saved piece and every wanted piece is turned into boxes of global coordinates (flat ranges
 become up to ``2 * ndim - 1`` contiguous boxes); each non-empty intersection of a wanted box with
-a saved box is one lazy ``safe_open(...).get_slice`` read copied into a view of the local tensor.
+a saved box is one strided copy from a read-only memory map of the shard file into a view of
+the local tensor, so only the pages holding the slices needed are read.
 Only safetensors and JSON are ever parsed (no pickle).
 
 Verification (``verify=True``) checks every shard file's size and SHA-256 against
@@ -19,11 +20,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from mg_ckpt import _dist
-from mg_ckpt._io import file_sha256, member_path
+from mg_ckpt._io import file_sha256, member_path, read_header, torch_dtype
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.metadata import read_metadata, resolve_checkpoint
 from mg_ckpt.save import finalize
@@ -73,17 +75,19 @@ def _sources(piece: Mapping[str, Any]) -> list[Box]:
 
 
 class _Reader:
-    """Open shard files lazily and check each stored tensor's shape/dtype against the metadata."""
+    """Map shard files read-only and hand out tensor views of the stored pieces.
+
+    Each file's header is parsed and bounds-checked (and, once, validated by ``safetensors``
+    itself); the stored tensor's shape/dtype must match the metadata. Views are zero-copy: the
+    only copy is into the destination, and only the pages of the slices read are touched.
+    """
 
     def __init__(self, ckpt: str, meta: Mapping[str, Any]) -> None:
         self.ckpt, self.meta = ckpt, meta
-        self.files: dict[str, Any] = {}
-        self.slices: dict[tuple[str, str], Any] = {}
+        self.files: dict[str, tuple[dict, int, np.memmap]] = {}
 
-    def slice(self, name: str, piece: Mapping[str, Any]) -> Any:
+    def tensor(self, name: str, piece: Mapping[str, Any]) -> torch.Tensor:
         fname, key = piece["file"], piece["key"]
-        if (fname, key) in self.slices:
-            return self.slices[(fname, key)]
         path = member_path(self.ckpt, fname, os.path.join(self.ckpt, "metadata.json"))
         if fname not in self.files:
             if not os.path.isfile(path):
@@ -94,37 +98,44 @@ class _Reader:
                     f"{path}: has {size} bytes but metadata.json records {self.meta['files'][fname]['size']} "
                     f"(truncated or replaced; needed for tensor {name!r})"
                 )
+            header, data_start = read_header(path)
             try:
-                self.files[fname] = safe_open(path, framework="pt")
+                with safe_open(path, framework="pt") as f:
+                    f.keys()
             except Exception as e:
                 raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-        try:
-            sl = self.files[fname].get_slice(key)
-        except Exception:
-            raise CheckpointError(f"{path}: tensor {key!r} (for {name!r}) is not in the file") from None
+            self.files[fname] = (header, data_start, np.memmap(path, dtype=np.uint8, mode="r"))
+        header, data_start, mm = self.files[fname]
+        entry = header.get(key)
+        if entry is None:
+            raise CheckpointError(f"{path}: tensor {key!r} (for {name!r}) is not in the file")
         fr = piece["flat_range"]
         want = [fr[1] - fr[0]] if fr is not None else list(piece["shape"])
-        if list(sl.get_shape()) != want or sl.get_dtype() != self.meta["tensors"][name]["dtype"]:
+        if entry["shape"] != want or entry["dtype"] != self.meta["tensors"][name]["dtype"]:
             raise CheckpointError(
-                f"{path}: tensor {key!r} is {sl.get_dtype()}{list(sl.get_shape())} but metadata.json says "
+                f"{path}: tensor {key!r} is {entry['dtype']}{entry['shape']} but metadata.json says "
                 f"{self.meta['tensors'][name]['dtype']}{want}"
             )
-        self.slices[(fname, key)] = sl
-        return sl
+        b, e = entry["data_offsets"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the map is read-only; we only ever read from it
+            raw = torch.from_numpy(mm[data_start + b : data_start + e])
+        return raw.view(torch_dtype(entry["dtype"], path)).view(want)
+
+    def close(self) -> None:
+        # Dropping the maps unmaps them once the last view is gone (an explicit close would fail
+        # while an exception's traceback still holds a view).
+        self.files.clear()
 
 
-def _read_box(sl: Any, src: Box, flat: bool, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """The sub-box ``[start, start+shape)`` (global coordinates) of saved box ``src``."""
+def _read_box(stored: torch.Tensor, src: Box, flat: bool, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """A view of the sub-box ``[start, start+shape)`` (global coordinates) of saved box ``src``."""
     rel = [s - o for s, o in zip(start, src.start)]
-    if not src.shape:  # a scalar: stored as shape [] (block) or [1] (flat)
-        return sl[...] if not flat else sl[:].view(())
     if not flat:
-        return sl[tuple(slice(r, r + n) for r, n in zip(rel, shape))]
-    # src is contiguous in the stored 1-D tensor: read whole rows of its first dim, then narrow the rest.
-    inner = math.prod(src.shape[1:])
-    lo = src.flat_start + rel[0] * inner
-    rows = sl[lo : lo + shape[0] * inner].view(shape[0], *src.shape[1:])
-    return rows[(slice(None), *(slice(r, r + n) for r, n in zip(rel[1:], shape[1:])))]
+        return stored[tuple(slice(r, r + n) for r, n in zip(rel, shape))]
+    # src is a contiguous run of the stored 1-D tensor: view it as the box, then narrow.
+    box = stored[src.flat_start : src.flat_start + src.numel].view(src.shape)
+    return box[tuple(slice(r, r + n) for r, n in zip(rel, shape))]
 
 
 def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Reader) -> None:
@@ -138,7 +149,7 @@ def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Re
                 if hit is None:
                     continue
                 start, shape = hit
-                data = _read_box(reader.slice(name, piece), src, flat, start, shape)
+                data = _read_box(reader.tensor(name, piece), src, flat, start, shape)
                 dst = view[tuple(slice(s - t, s - t + n) for s, t, n in zip(start, tgt.start, shape))]
                 dst.copy_(data.view(dst.shape))
                 covered += math.prod(shape)
@@ -231,7 +242,7 @@ def load_checkpoint(
         if checker is not None:
             checker.join()
         if reader is not None:
-            reader.files.clear()
+            reader.close()
     if error is None and verify_error:
         error = verify_error[0]
     errors = [e for e in _dist.all_gather(error, grp) if e is not None]

@@ -47,7 +47,7 @@ from mg_ckpt.metadata import (
 )
 from mg_ckpt.sharded import ShardedTensor
 
-__all__ = ["SaveHandle", "finalize", "save_checkpoint"]
+__all__ = ["SaveHandle", "finalize", "release_staging_buffers", "save_checkpoint"]
 
 # Test hook for crash injection: called with the name of each commit step (see _step).
 _fault_hook: Callable[[str], None] | None = None
@@ -168,13 +168,29 @@ def _shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def _snapshot(t: torch.Tensor, copy: bool) -> torch.Tensor:
+# CPU (pinned, for device tensors) buffers of the last asynchronous save, reused by the next one:
+# allocating and first-touching (or pinning) a state-sized buffer costs more than the copy itself.
+_STAGING: dict[tuple, torch.Tensor] = {}
+
+
+def _snapshot(name: str, t: torch.Tensor, copy: bool) -> torch.Tensor:
     t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format) if copy or not t.is_contiguous() else t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
+    if t.device.type == "cpu" and not copy:
+        return t if t.is_contiguous() else t.contiguous()
+    key = (name, tuple(t.shape), t.dtype, t.device.type)
+    out = _STAGING.get(key)
+    if out is None:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    out.copy_(t, non_blocking=out.is_pinned())
+    if copy:
+        _STAGING[key] = out
     return out
+
+
+def release_staging_buffers() -> None:
+    """Free the CPU buffers kept for reuse by asynchronous saves (after waiting for pending saves)."""
+    finalize()
+    _STAGING.clear()
 
 
 def save_checkpoint(
@@ -242,7 +258,11 @@ def save_checkpoint(
         os.makedirs(tmp)
     _dist.barrier(grp)
 
-    items = [(name, _snapshot(pieces[name].local, copy=async_save)) for name in writes.get(rank, [])]
+    if async_save:  # only keep buffers of tensors still saved
+        live = {(n, tuple(p.local.shape), p.local.dtype, p.local.device.type) for n, p in pieces.items()}
+        for key in [k for k in _STAGING if k not in live]:
+            del _STAGING[key]
+    items = [(name, _snapshot(name, pieces[name].local, copy=async_save)) for name in writes.get(rank, [])]
     if any(t.is_pinned() for _, t in items):
         torch.cuda.current_stream().synchronize()  # the pinned copies were issued non_blocking
     handle = SaveHandle(ckpt, iteration)
