@@ -14,8 +14,10 @@ from mg_data.tokenizers import (
     HuggingFaceTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
+    TokenizerTrainConfig,
     build_tokenizer,
     infer_tokenizer_type,
+    run_tokenizer_train,
 )
 
 TEXT = "def main(argv):\n    return sorted(argv)  # ok"
@@ -87,3 +89,15 @@ def test_errors_name_the_problem(tmp_path, sp_model):
         (tmp_path / "v").mkdir()
         (tmp_path / "v" / "vocab.json").write_text("{}")
         build_tokenizer(tmp_path / "v" / "vocab.json")
+
+
+def test_train_config_round_trip(corpus, tmp_path):
+    cfg = TokenizerTrainConfig(input=[str(corpus)], model_prefix=str(tmp_path / "u"), vocab_size=800,
+                               model_type="bpe", input_sentence_size=5000, user_defined_symbols=["<mask>"])
+    tok = build_tokenizer(run_tokenizer_train(cfg))
+    assert tok.vocab_size == 800 and tok.eod == 2 and tok.mask is not None
+    assert tok.decode(tok.encode("import os")) == "import os"
+    with pytest.raises(ValueError, match="model_type"):
+        TokenizerTrainConfig(input=["x"], model_prefix="m", vocab_size=100, model_type="wordpiece")
+    with pytest.raises(FileNotFoundError, match="input file not found"):
+        run_tokenizer_train(TokenizerTrainConfig(input=["nothere.jsonl"], model_prefix="m", vocab_size=100))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -346,3 +346,58 @@ def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: 
     except RuntimeError as e:
         raise ValueError(f"SentencePiece training on {files[:3]} failed: {e}") from None
     return prefix + ".model"
+
+
+@dataclass(kw_only=True)
+class TokenizerTrainConfig:
+    """Options of ``mg tokenizer train`` (SentencePiece on JSONL input)."""
+
+    input: Sequence[str]
+    """JSONL files or globs (.gz/.zst allowed)."""
+    model_prefix: str
+    """Writes ``MODEL_PREFIX.model`` and ``MODEL_PREFIX.vocab``."""
+    vocab_size: int
+    """Number of pieces, special tokens included."""
+    model_type: str = "bpe"
+    """``bpe``, ``unigram``, ``char`` or ``word``."""
+    json_keys: Sequence[str] = ("text",)
+    """Keys whose text is used."""
+    byte_fallback: bool = True
+    """Spell unknown characters as UTF-8 byte pieces instead of ``<unk>``."""
+    character_coverage: float = 0.9995
+    """Share of characters covered by the vocabulary."""
+    input_sentence_size: int = 1_000_000
+    """Lines sampled for training (bounds time and memory)."""
+    num_threads: int = 1
+    """Training threads."""
+    pad_id: int = -1
+    """Id of a padding piece; -1 for none."""
+    user_defined_symbols: Sequence[str] = ()
+    """Pieces always kept whole (e.g. ``<mask>``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.input, str):
+            self.input = [self.input]
+        if not self.input:
+            raise ValueError("input is empty; pass at least one JSONL file or glob")
+        if self.vocab_size < 8:
+            raise ValueError(f"vocab_size must be at least 8, got {self.vocab_size}")
+        if self.model_type not in ("bpe", "unigram", "char", "word"):
+            raise ValueError(f"model_type must be bpe, unigram, char or word, got {self.model_type!r}")
+        if not 0 < self.character_coverage <= 1:
+            raise ValueError(f"character_coverage must be in (0, 1], got {self.character_coverage}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+def run_tokenizer_train(config: TokenizerTrainConfig) -> str:
+    """Train the SentencePiece model ``config`` describes; returns the ``.model`` path.
+
+    Raises:
+        FileNotFoundError: an input is missing. ValueError: SentencePiece rejected the options/input.
+    """
+    from mg_data.jsonl import expand_inputs
+
+    kwargs = asdict(config)
+    files = expand_inputs(kwargs.pop("input"))
+    return train_sentencepiece(files, kwargs.pop("model_prefix"), **kwargs)
