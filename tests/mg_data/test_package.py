@@ -14,3 +14,12 @@ def test_siblings_are_minimum_versions_not_pins():
         if req.startswith("mg-"):
             spec = req.split(";")[0]
             assert ">=" in spec and "==" not in spec, req
+
+
+def test_import_does_not_pull_torch_or_tqdm():
+    import subprocess
+    import sys
+
+    code = "import sys, mg_data, mg_data.preprocess; print(sorted(m for m in ('torch', 'tqdm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -101,3 +101,18 @@ def test_train_config_round_trip(corpus, tmp_path):
         TokenizerTrainConfig(input=["x"], model_prefix="m", vocab_size=100, model_type="wordpiece")
     with pytest.raises(FileNotFoundError, match="input file not found"):
         run_tokenizer_train(TokenizerTrainConfig(input=["nothere.jsonl"], model_prefix="m", vocab_size=100))
+
+
+def test_preprocess_with_hf_tokenizer_json(corpus, tmp_path):
+    from mg_data.indexed import IndexedDataset
+    from mg_data.preprocess import PreprocessConfig, run_preprocess
+
+    ref = _train_hf(corpus, tmp_path)
+    s = run_preprocess(PreprocessConfig(input=[str(corpus)], output_prefix=str(tmp_path / "hf"),
+                                        tokenizer_model=str(tmp_path / "tokenizer.json"), append_eod=True,
+                                        tokenizer_type="HuggingFaceTokenizer"))
+    ds = IndexedDataset(s.outputs["text"])
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    eod = ref.token_to_id("<|endoftext|>")
+    for d in (0, 5, len(texts) - 1):
+        assert ds.get_document(d).tolist() == ref.encode(texts[d], add_special_tokens=False).ids + [eod]
