@@ -88,6 +88,11 @@ def test_several_epochs_and_separate_final_epoch(tmp_path):
     sans_final = (2 * total - 1) // 32
     shuf = np.asarray(g.shuffle_index)
     assert sorted(shuf[:sans_final].tolist()) == list(range(sans_final))
+    joint = GPTDataset(ds, (0, ds.num_documents), n,
+                       GPTDatasetConfig(seq_length=32, seed=1, separate_final_epoch_threshold=0.0), "train")
+    jdoc = np.asarray(joint.document_index)
+    assert sorted(jdoc.tolist()) == sorted(list(range(d)) * 3)
+    assert sorted(jdoc[2 * d:].tolist()) != list(range(d))  # all three epochs shuffled together
 
 
 def test_sample_index_handles_empty_documents_and_exact_boundaries():

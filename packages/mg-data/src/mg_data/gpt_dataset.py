@@ -32,6 +32,8 @@ class GPTDatasetConfig:
     """Directory of cached index files; None builds them in memory every time."""
     shuffle: bool = True
     """False serves documents and samples in corpus order (debugging)."""
+    separate_final_epoch_threshold: float = 0.80
+    """Shuffle a final epoch apart when it supplies fewer than this share of an epoch (0: never)."""
     reset_position_ids: bool = False
     """Restart position ids after every end-of-document token."""
     reset_attention_mask: bool = False
@@ -47,6 +49,9 @@ class GPTDatasetConfig:
         if self.seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
         parse_split(self.split)
+        if not 0 <= self.separate_final_epoch_threshold <= 1:
+            raise ValueError(f"separate_final_epoch_threshold must be in [0, 1], got "
+                             f"{self.separate_final_epoch_threshold}")
         if (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss) and self.eod_id is None:
             raise ValueError("eod_id is required by reset_position_ids/reset_attention_mask/eod_mask_loss; "
                              "pass the tokenizer's eod id")
@@ -79,11 +84,13 @@ class GPTDataset:
         self.sequence_range = (int(di[d0]), int(di[d1]))
         s0, s1 = self.sequence_range
         lengths = np.asarray(indexed.sequence_lengths[s0:s1])
-        key = fingerprint(_INDEX_VERSION, lengths, s0, config.seq_length, config.seed, num_samples, config.shuffle)
+        key = fingerprint(_INDEX_VERSION, lengths, s0, config.seq_length, config.seed, num_samples, config.shuffle,
+                          config.separate_final_epoch_threshold)
         stem = f"gpt-{os.path.basename(indexed.prefix)}-{name}"
         def build() -> dict[str, np.ndarray]:
             try:
-                return build_gpt_indices(lengths, s0, config.seq_length, num_samples, config.seed, config.shuffle)
+                return build_gpt_indices(lengths, s0, config.seq_length, num_samples, config.seed, config.shuffle,
+                                         config.separate_final_epoch_threshold)
             except ValueError as e:
                 raise ValueError(f"{indexed.prefix} ({name} split, documents {d0}..{d1}): {e}") from None
 

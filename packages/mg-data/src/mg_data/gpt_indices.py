@@ -113,7 +113,8 @@ def build_shuffle_index(num_samples: int, num_samples_first: int, rng: np.random
 
 
 def build_gpt_indices(lengths: np.ndarray, first_sequence: int, seq_length: int, num_samples: int | None,
-                      seed: int, shuffle: bool = True) -> dict[str, np.ndarray]:
+                      seed: int, shuffle: bool = True,
+                      separate_final_epoch_threshold: float = SEPARATE_FINAL_EPOCH_THRESHOLD) -> dict[str, np.ndarray]:
     """All three indices for one split.
 
     Args:
@@ -123,6 +124,8 @@ def build_gpt_indices(lengths: np.ndarray, first_sequence: int, seq_length: int,
         num_samples: samples needed (None: one epoch).
         seed: shuffling seed.
         shuffle: False keeps documents and samples in corpus order.
+        separate_final_epoch_threshold: a final epoch contributing fewer than this share of an
+            epoch's samples is shuffled apart from the others (0 never separates).
 
     Returns:
         ``{"document_index", "sample_index", "shuffle_index"}``.
@@ -134,7 +137,7 @@ def build_gpt_indices(lengths: np.ndarray, first_sequence: int, seq_length: int,
     sans_final = 0
     if epochs > 1 and num_samples is not None:
         sans_final = ((epochs - 1) * tokens - 1) // seq_length
-        separate = (num_samples - sans_final) < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+        separate = (num_samples - sans_final) < int(separate_final_epoch_threshold * per_epoch)
     rng = np.random.default_rng(seed)
     ids = np.arange(first_sequence, first_sequence + len(lengths), dtype=np.int64)
     if shuffle:
