@@ -62,7 +62,7 @@ def _lock_is_stale(lock: str) -> bool:
 
 def cached_arrays(cache_dir: str | os.PathLike[str] | None, name: str, key: str, array_names: Sequence[str],
                   build: Callable[[], Mapping[str, np.ndarray]], description: Mapping[str, Any] | None = None,
-                  *, wait_timeout_s: float = 3600.0, poll_s: float = 0.05) -> tuple[dict[str, np.ndarray], bool]:
+                  *, wait_timeout_s: float = 900.0, poll_s: float = 0.05) -> tuple[dict[str, np.ndarray], bool]:
     """Load arrays ``array_names`` cached under ``cache_dir/{name}-{key}-*``, building them if absent.
 
     Args:
@@ -78,9 +78,14 @@ def cached_arrays(cache_dir: str | os.PathLike[str] | None, name: str, key: str,
     if cache_dir is None:
         return dict(build()), True
     cache_dir = os.fspath(cache_dir)
-    os.makedirs(cache_dir, exist_ok=True)
     base = os.path.join(cache_dir, f"{name}-{key}")
     meta, lock = f"{base}-meta.json", f"{base}.lock"
+    if not os.path.exists(meta):
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{cache_dir}: cannot create the index cache ({e.strerror}); "
+                             "set cache_dir to a writable directory") from None
 
     def load() -> dict[str, np.ndarray]:
         return {n: np.load(f"{base}-{n}.npy", mmap_mode="r") for n in array_names}
@@ -101,6 +106,9 @@ def cached_arrays(cache_dir: str | os.PathLike[str] | None, name: str, key: str,
             return load(), False
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except PermissionError:
+            raise ValueError(f"{cache_dir}: index cache is not writable and lacks {os.path.basename(meta)}; "
+                             "set cache_dir to a writable directory") from None
         except FileExistsError:
             if _lock_is_stale(lock):
                 try:
