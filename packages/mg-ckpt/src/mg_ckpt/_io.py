@@ -63,8 +63,8 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
         raise CheckpointError(f"{where}: unknown dtype {name!r}") from None
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    # A zero-copy byte view of a contiguous CPU tensor (works for bf16/fp8, which numpy lacks).
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (works for bf16/fp8, which numpy lacks)."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -128,7 +128,7 @@ def write_safetensors(
     size = 0
     try:
         with open(path, "wb") as f:
-            for buf in [memoryview(head), *(_as_bytes(t) for _, t in items)]:
+            for buf in [memoryview(head), *(as_bytes(t) for _, t in items)]:
                 for i in range(0, len(buf), _CHUNK):
                     c = buf[i : i + _CHUNK]
                     f.write(c)
@@ -200,7 +200,7 @@ def read_tensor(path: str, header: dict[str, dict], data_start: int, name: str) 
     dtype = torch_dtype(e["dtype"], f"{path} tensor {name!r}")
     out = torch.empty(e["shape"], dtype=dtype)
     b, end = e["data_offsets"]
-    view = _as_bytes(out)
+    view = as_bytes(out)
     with open(path, "rb", buffering=0) as f:
         f.seek(data_start + b)
         got = 0

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from mg_ckpt import _dist
-from mg_ckpt._io import file_sha256, member_path, read_header, torch_dtype
+from mg_ckpt._io import as_bytes, file_sha256, member_path, read_header, torch_dtype
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.metadata import read_metadata, resolve_checkpoint
 from mg_ckpt.save import finalize
@@ -85,6 +85,7 @@ class _Reader:
     def __init__(self, ckpt: str, meta: Mapping[str, Any]) -> None:
         self.ckpt, self.meta = ckpt, meta
         self.files: dict[str, tuple[dict, int, np.memmap]] = {}
+        self.handles: dict[str, Any] = {}
 
     def tensor(self, name: str, piece: Mapping[str, Any]) -> torch.Tensor:
         fname, key = piece["file"], piece["key"]
@@ -122,10 +123,33 @@ class _Reader:
             raw = torch.from_numpy(mm[data_start + b : data_start + e])
         return raw.view(torch_dtype(entry["dtype"], path)).view(want)
 
+    def read_into(self, piece: Mapping[str, Any], byte_offset: int, dst: torch.Tensor) -> None:
+        """Read ``dst.nbytes`` bytes of the stored tensor from ``byte_offset`` straight into contiguous CPU ``dst``.
+
+        Used when the wanted slice is contiguous on disk and in memory: one kernel copy, no page
+        faults on the map (as fast as a plain sequential read).
+        """
+        fname, key = piece["file"], piece["key"]
+        header, data_start, _ = self.files[fname]
+        f = self.handles.get(fname)
+        if f is None:
+            f = self.handles[fname] = open(os.path.join(self.ckpt, fname), "rb", buffering=0)  # noqa: SIM115
+        view = as_bytes(dst)
+        f.seek(data_start + header[key]["data_offsets"][0] + byte_offset)
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{self.ckpt}/{fname}: truncated while reading tensor {key!r}")
+            got += n
+
     def close(self) -> None:
         # Dropping the maps unmaps them once the last view is gone (an explicit close would fail
         # while an exception's traceback still holds a view).
         self.files.clear()
+        for f in self.handles.values():
+            f.close()
+        self.handles.clear()
 
 
 def _read_box(stored: torch.Tensor, src: Box, flat: bool, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
@@ -151,7 +175,10 @@ def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Re
                 start, shape = hit
                 data = _read_box(reader.tensor(name, piece), src, flat, start, shape)
                 dst = view[tuple(slice(s - t, s - t + n) for s, t, n in zip(start, tgt.start, shape))]
-                dst.copy_(data.view(dst.shape))
+                if data.is_contiguous() and dst.is_contiguous() and dst.dtype == data.dtype and dst.device.type == "cpu":
+                    reader.read_into(piece, data.storage_offset() * data.element_size(), dst)
+                else:
+                    dst.copy_(data)
                 covered += math.prod(shape)
     want = sum(b.numel for b, _ in targets)
     if covered != want:
