@@ -146,7 +146,7 @@ class PreprocessSummary:
     outputs: dict[str, str]
     """Output prefix per JSON key."""
     documents: int = 0
-    """Input lines turned into documents (per key, minus that key's empty documents)."""
+    """Input lines parsed into documents (each key's empty ones are then dropped: empty_documents)."""
     tokens: dict[str, int] = field(default_factory=dict)
     """Tokens written per key."""
     empty_documents: dict[str, int] = field(default_factory=dict)
@@ -279,8 +279,8 @@ def _process(task: _Task) -> dict[str, Any]:
     stats["documents"] = len(columns[0])
     for key, texts in zip(cfg.json_keys, columns):
         prefix = _part_prefix(parts_dir, task.index, key, cfg.level)
-        # Partials skip fsync: a killed process loses nothing the page cache holds, and a lost
-        # machine loses the scratch directory's worth of work at most.
+        # Partials skip fsync: a killed process loses nothing the page cache holds, and after a
+        # machine crash the size checks on resume catch partials whose data never reached the disk.
         with IndexedDatasetBuilder(prefix, _STATE["dtype"], durable=False) as builder:
             batch: list[str] = []
             chars = 0
