@@ -314,7 +314,8 @@ def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: 
                         extra_options: dict[str, Any] | None = None) -> str:
     """Train a SentencePiece model on the ``json_keys`` texts of JSONL files (.gz/.zst allowed).
 
-    Documents are fed line by line; at most ``input_sentence_size`` lines are sampled. Ids:
+    Documents are fed line by line (lines over ``max_sentence_length`` bytes and malformed JSONL
+    lines are left out of the sample); at most ``input_sentence_size`` lines are sampled. Ids:
     unk 0, bos 1, eos 2 (the end-of-document id preprocessing appends), pad ``pad_id``.
 
     Returns:
