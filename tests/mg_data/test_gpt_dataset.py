@@ -192,3 +192,21 @@ def test_concurrent_cache_build_by_four_processes(tmp_path):
     cfg = GPTDatasetConfig(seq_length=8)  # no cache: an independent in-memory build
     ref = build_gpt_datasets(cfg, [str(tmp_path / "u")], (20_000, None, None))[0]
     assert results[0][1][1] == np.asarray(ref.sample_index).tobytes()
+
+
+def test_sentence_level_corpus_splits_by_document(tmp_path):
+    """Documents of several sequences: a split takes whole documents; samples run through sentences."""
+    with IndexedDatasetBuilder(tmp_path / "s", np.int32) as b:
+        pos = 0
+        for d in range(40):
+            sents = [3, 5, 2] if d % 2 else [4]
+            b.add_document(np.arange(pos, pos + sum(sents)), sents)
+            pos += sum(sents)
+    ds = IndexedDataset(tmp_path / "s")
+    train, valid, _ = build_gpt_datasets(GPTDatasetConfig(seq_length=5, split="3,1,0", shuffle=False),
+                                         [str(tmp_path / "s")])
+    assert train.sequence_range == (0, int(ds.document_indices[30])) == (0, 60)
+    assert valid.sequence_range == (60, len(ds))
+    flat = np.concatenate(ds[0:60])
+    for i in range(len(train)):
+        np.testing.assert_array_equal(train.sample_tokens(i), flat[i * 5:i * 5 + 6])
