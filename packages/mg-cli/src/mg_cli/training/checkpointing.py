@@ -173,8 +173,8 @@ def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: Process
     main = _strip(pieces)
     tied = _tied(pieces)
     extra = load_checkpoint(path, main)
-    if tied:
-        load_checkpoint(path, tied, verify=False)
+    # Collective: every rank takes part, also those without a tied copy (an empty template).
+    load_checkpoint(path, tied, verify=False)
     if load_optimizer:
         saved = extra.get("optimizer", {})
         opt_state.update({k: v for k, v in saved.items() if k in ("step", "param_groups", "loss_scaler")})
