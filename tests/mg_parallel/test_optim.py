@@ -69,7 +69,21 @@ def _state_worker(distributed: bool) -> dict:
         bad = None
     except ValueError as e:
         bad = str(e)
-    return {"err": err, "entries": entries, "step": state["step"], "groups": state["param_groups"], "bad": bad,
+    pending = cleared = None
+    if distributed:
+        # Overlapped param all-gather: in flight after step(), completed by the next forward.
+        torch.manual_seed(0)
+        model3 = TinyModel(full_weights())
+        ddp3 = DistributedDataParallel(model3, grid, bucket_size_mb=0.004, use_distributed_optimizer=True)
+        opt3 = build_optimizer([ddp3], grid, OptimizerConfig(use_distributed_optimizer=True, overlap_param_gather=True))
+        x, t = batch(steps=1)[0]
+        ddp3(x, t).backward()
+        finalize_model_grads([ddp3], grid)
+        opt3.step()
+        pending = sum(b.gather_handle is not None for b in ddp3.buckets)
+        ddp3(x, t)
+        cleared = all(b.gather_handle is None for b in ddp3.buckets)
+    return {"err": err, "entries": entries, "pending": pending, "cleared": cleared, "step": state["step"], "groups": state["param_groups"], "bad": bad,
             "numels": {n: p.numel() for n, p in model.named_parameters()}}
 
 
@@ -80,6 +94,8 @@ def test_state_dict_slices_and_resume():
             assert r["err"] < 1e-6, f"resumed training diverged (distributed={distributed}): {r['err']}"
             assert r["step"] == 3 and r["groups"][0]["lr"] == pytest.approx(1e-2)  # lr/wd come from the state
             assert r["bad"] is not None and "another parallel layout" in r["bad"]
+            if distributed:
+                assert r["pending"] > 1 and r["cleared"], "param all-gathers must wait for the next forward"
             for n, (_, numel, shape, st_shape, dtype) in r["entries"].items():
                 assert st_shape == (numel,) and dtype == torch.float32
                 assert list(shape) == list(results[0]["entries"].get(n, r["entries"][n])[2])
