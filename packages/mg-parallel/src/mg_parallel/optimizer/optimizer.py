@@ -145,6 +145,18 @@ class MegatronStyleOptimizer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model's current parameters into the fp32 main params.
+
+        Call after loading model weights without optimizer state (e.g. fine-tuning from a
+        checkpoint): otherwise the next step would start from the stale main copies of
+        bf16/fp16 parameters. A no-op for fp32 models, whose main params are the parameters.
+        """
+        for piece in self.pieces:
+            if not piece.aliased:
+                piece.main.copy_(piece.param.data.view(-1)[piece.flat_offset : piece.flat_offset + piece.numel])
+
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned state on this rank: fp32 main copies and both Adam moments."""
         return sum(t.numel() * t.element_size() for t in self._main_shards + self._moments)
