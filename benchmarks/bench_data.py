@@ -9,7 +9,8 @@ Every figure is printed next to a reference measured in the same run (shared mac
 * preprocess: ``run_preprocess`` end to end (JSONL file -> merged .bin/.idx, worker start-up
   included) against raw ``SentencePieceProcessor.encode(list_of_texts, num_threads=N)`` on the same
   texts already in memory, at the same N (N worker processes vs N SentencePiece threads). Best of
-  several interleaved repeats of each.
+  several interleaved repeats of each; the input is cut into 8 partitions (the default partition
+  size, 64 MiB, would give a single one on this corpus).
 * access: random ``GPTDataset.__getitem__`` (seq 2048) against a bare memmap copy of 2049 tokens at
   random offsets of the same >= 1 GB file.
 * index: building the three GPT indices for 10 B tokens (10 M documents of ~1000 tokens).
@@ -83,7 +84,7 @@ def bench_preprocess(work: Path, corpus_mb: float = 8.0, vocab: int = 8000, repe
             cpu["raw"].append(_cpu_seconds() - c)
             cfg = PreprocessConfig(input=[str(path)], output_prefix=str(work / f"out{workers}_{r}"),
                                    tokenizer_model=model, workers=workers, append_eod=True,
-                                   partition_bytes=max(nbytes // 24, 1 << 16))
+                                   partition_bytes=max(nbytes // 8, 1 << 16))
             c, t = _cpu_seconds(), time.perf_counter()
             run_preprocess(cfg)
             wall["ours"].append(time.perf_counter() - t)

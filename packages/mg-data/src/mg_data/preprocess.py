@@ -203,8 +203,9 @@ def _marker(parts_dir: str, index: int) -> str:
 
 def _flatten(ids: list[list[int]], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
-    return flat.astype(dtype, copy=False), lengths
+    # straight into the token dtype: an id that does not fit raises OverflowError instead of wrapping
+    flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    return flat, lengths
 
 
 def _write_batch(builder: IndexedDatasetBuilder, tok: Tokenizer, texts: list[str], cfg: PreprocessConfig,
