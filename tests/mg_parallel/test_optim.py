@@ -129,3 +129,19 @@ def test_config_and_builder_errors():
         build_optimizer(DistributedDataParallel(_big_model(), grid), grid, OptimizerConfig(use_distributed_optimizer=True))
     with pytest.raises(ValueError, match=r"precision='bf16'.*\.to\(torch.bfloat16\)"):
         build_optimizer(DistributedDataParallel(_big_model(), grid), grid, OptimizerConfig(precision="bf16"))
+
+
+def test_reload_model_params_after_loading_weights_single_process():
+    grid = ProcessGrid.single()
+    model = _big_model().to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, grid, use_distributed_optimizer=True)
+    opt = build_optimizer([ddp], grid, OptimizerConfig(precision="bf16", lr=0.0, use_distributed_optimizer=True))
+    new = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)
+    opt.step()  # zero grads, lr 0: the model becomes the (stale) main params again
+    assert not torch.equal(model[0].weight, new["0.weight"])
+    model.load_state_dict(new)
+    opt.reload_model_params()
+    opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, new[k]), k
