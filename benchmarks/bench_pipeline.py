@@ -118,7 +118,7 @@ def pipeline_time(vpp: int, m: int, stage_seconds: float, iters: int) -> tuple[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage-ms", type=float, default=20.0, help="forward sleep per stage (backward is 2x)")
+    parser.add_argument("--stage-ms", type=float, default=50.0, help="forward sleep per stage (backward is 2x)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     args = parser.parse_args()

@@ -32,6 +32,12 @@ def draw(events: list, title: str, out: str) -> None:
         start, width = (e.t_start - t0) * 1000, (e.t_end - e.t_start) * 1000
         ax.barh(e.pp_rank, width, left=start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
         ax.text(start + width / 2, e.pp_rank, str(e.microbatch), ha="center", va="center", fontsize=7)
+    from matplotlib.patches import Patch
+
+    chunks = sorted({e.chunk for e in events})
+    handles = [Patch(color=fwd[c % 4], label=f"forward, chunk {c}") for c in chunks]
+    handles += [Patch(color=bwd[c % 4], label=f"backward, chunk {c}") for c in chunks]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=2)
     ax.set_yticks(range(PP), [f"stage {r}" for r in range(PP)])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
@@ -44,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--schedule", choices=["1f1b", "interleaved"], default="1f1b")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--stage-ms", type=float, default=20.0)
+    parser.add_argument("--stage-ms", type=float, default=50.0)
     parser.add_argument("--out", default="pipeline_schedule.png")
     args = parser.parse_args()
     vpp = 2 if args.schedule == "interleaved" else 1

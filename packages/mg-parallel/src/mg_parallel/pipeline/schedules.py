@@ -230,12 +230,12 @@ def _run_plan(
             op = step.op
             if op is not None:
                 key, stage = (op.chunk, op.microbatch), op.chunk * pp + rank
-                t0 = time.time()
                 if op.kind == "F":
                     x = None
                     if stage > 0:
                         x = received.pop(Message("act", stage - 1, op.microbatch)).wait()
                         x.requires_grad_(not forward_only)
+                    t0 = time.time()  # after the wait: time spent waiting is bubble, not work
                     with grad_mode:
                         _set_input_tensor(chunks[op.chunk], x)
                         output, loss_fn = forward_step(batches.get(*key), chunks[op.chunk])
@@ -259,9 +259,11 @@ def _run_plan(
                         syncs[op.chunk].close()  # let DDP reduce during this chunk's last backward
                     output, x = outputs.pop(key), inputs.pop(key)
                     if stage == last_stage:
+                        t0 = time.time()
                         torch.autograd.backward(output)
                     else:
                         grad = received.pop(Message("grad", stage + 1, op.microbatch)).wait()
+                        t0 = time.time()
                         torch.autograd.backward(output, grad_tensors=grad)
                     del output
                     if stage > 0:
