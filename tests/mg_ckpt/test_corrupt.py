@@ -162,3 +162,21 @@ def test_every_rank_raises_when_one_file_is_bad(tmp_path):
     # Files are verified by different ranks; the verdict is shared.
     messages = run_distributed(corrupt_then_load, 2, str(tmp_path))
     assert all("rank_00001.safetensors" in m and "checksum" in m for m in messages), messages
+
+
+def bad_state_on_one_rank(path: str) -> str:
+    """Rank 1 passes a non-tensor; every rank must raise rather than wait for it."""
+    import torch.distributed as dist
+
+    value = "oops" if dist.get_rank() == 1 else torch.zeros(2)
+    try:
+        save_checkpoint(path, 1, {"w": value})
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_bad_state_on_one_rank_fails_every_rank(tmp_path):
+    messages = run_distributed(bad_state_on_one_rank, 2, str(tmp_path), timeout=60)
+    assert all("rank 1" in m and "state['w']" in m for m in messages), messages
+    assert not os.path.exists(tmp_path / "latest")

@@ -13,6 +13,7 @@ thread while the slices are read, and the outcome is shared, so all ranks raise 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -32,6 +33,9 @@ from mg_ckpt.save import finalize
 from mg_ckpt.sharded import Box, ShardedTensor, flat_range_to_boxes, intersect
 
 __all__ = ["load_checkpoint", "verify_files"]
+
+# Below this many contiguous bytes per run, a strided copy through the map beats one read per run.
+_MIN_RUN = 4096
 
 
 def verify_files(ckpt: str, meta: Mapping[str, Any], names: list[str] | None = None) -> None:
@@ -123,25 +127,40 @@ class _Reader:
             raw = torch.from_numpy(mm[data_start + b : data_start + e])
         return raw.view(torch_dtype(entry["dtype"], path)).view(want)
 
-    def read_into(self, piece: Mapping[str, Any], byte_offset: int, dst: torch.Tensor) -> None:
-        """Read ``dst.nbytes`` bytes of the stored tensor from ``byte_offset`` straight into contiguous CPU ``dst``.
+    def read_into(self, piece: Mapping[str, Any], src: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Copy the stored slice ``src`` (a view of the map) into contiguous CPU ``dst`` with positioned reads.
 
-        Used when the wanted slice is contiguous on disk and in memory: one kernel copy, no page
-        faults on the map (as fast as a plain sequential read).
+        Used when ``src`` is made of contiguous runs of at least ``_MIN_RUN`` bytes: each run is
+        one ``preadv`` straight into ``dst`` (a kernel copy, no page faults on the map), which is
+        as fast as a plain sequential read for whole pieces and several times faster than a
+        strided copy through the map for column slices. Returns False (nothing read) otherwise.
         """
+        shape, stride = list(src.shape), list(src.stride())
+        j, run = len(shape), 1
+        while j > 0 and (shape[j - 1] == 1 or stride[j - 1] == run):
+            run *= shape[j - 1]
+            j -= 1
+        size = src.element_size()
+        if run * size < _MIN_RUN and j > 0:
+            return False
         fname, key = piece["file"], piece["key"]
         header, data_start, _ = self.files[fname]
         f = self.handles.get(fname)
         if f is None:
             f = self.handles[fname] = open(os.path.join(self.ckpt, fname), "rb", buffering=0)  # noqa: SIM115
-        view = as_bytes(dst)
-        f.seek(data_start + header[key]["data_offsets"][0] + byte_offset)
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{self.ckpt}/{fname}: truncated while reading tensor {key!r}")
-            got += n
+        base = data_start + header[key]["data_offsets"][0] + src.storage_offset() * size
+        out = as_bytes(dst)
+        nbytes = run * size
+        for k, idx in enumerate(itertools.product(*(range(n) for n in shape[:j]))):
+            pos = base + sum(i * st for i, st in zip(idx, stride)) * size
+            view = out[k * nbytes : (k + 1) * nbytes]
+            got = 0
+            while got < nbytes:
+                n = os.preadv(f.fileno(), [view[got:]], pos + got)
+                if not n:
+                    raise CheckpointError(f"{self.ckpt}/{fname}: truncated while reading tensor {key!r}")
+                got += n
+        return True
 
     def close(self) -> None:
         # Dropping the maps unmaps them once the last view is gone (an explicit close would fail
@@ -175,9 +194,8 @@ def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Re
                 start, shape = hit
                 data = _read_box(reader.tensor(name, piece), src, flat, start, shape)
                 dst = view[tuple(slice(s - t, s - t + n) for s, t, n in zip(start, tgt.start, shape))]
-                if data.is_contiguous() and dst.is_contiguous() and dst.dtype == data.dtype and dst.device.type == "cpu":
-                    reader.read_into(piece, data.storage_offset() * data.element_size(), dst)
-                else:
+                direct = dst.is_contiguous() and dst.dtype == data.dtype and dst.device.type == "cpu"
+                if not (direct and reader.read_into(piece, data, dst)):
                     dst.copy_(data)
                 covered += math.prod(shape)
     want = sum(b.numel for b, _ in targets)

@@ -226,7 +226,8 @@ def save_checkpoint(
 
     Raises:
         ValueError: bad arguments (negative iteration, non-JSON ``extra``, bad ``keep_last``).
-        CheckpointError: inconsistent descriptions across ranks, or a write/commit failure
+        CheckpointError: a state value that is not a tensor (on any rank), inconsistent
+            descriptions across ranks, an unwritable ``save_dir``, or a write/commit failure
             (for asynchronous saves, raised by ``wait()``).
     """
     finalize()
@@ -243,20 +244,35 @@ def save_checkpoint(
     grp = _dist.group()
     rank, world = _dist.rank(), _dist.world_size()
     ckpt, tmp = checkpoint_dir(save_dir, iteration), temp_dir(save_dir, iteration)
-    pieces = {name: _describe(name, v) for name, v in state.items()}
-    mine = [
-        (name, p.global_shape, dtype_name(p.local.dtype), p.global_offset, p.local_shape, p.flat_range, p.num_replicas)
-        for name, p in pieces.items()
-        if p.flat_range is None or p.flat_range[0] < p.flat_range[1]
-    ]
-    tensors, writes = _plan(_dist.all_gather(mine, grp), ckpt)
+    # Local mistakes travel with the gathered descriptions so that every rank raises, none hangs.
+    mine: list[tuple] | str
+    try:
+        pieces = {name: _describe(name, v) for name, v in state.items()}
+        mine = [
+            (name, p.global_shape, dtype_name(p.local.dtype), p.global_offset, p.local_shape, p.flat_range, p.num_replicas)
+            for name, p in pieces.items()
+            if p.flat_range is None or p.flat_range[0] < p.flat_range[1]
+        ]
+    except ValueError as e:
+        mine = f"rank {rank}: {e}"
+    gathered = _dist.all_gather(mine, grp)
+    bad = [g for g in gathered if isinstance(g, str)]
+    if bad:
+        raise CheckpointError(f"saving {ckpt}: invalid state on {'; '.join(bad)}")
+    tensors, writes = _plan(gathered, ckpt)
     validate_metadata(_metadata(iteration, {}, tensors, {}, {}, world, files_placeholder=True), ckpt)
 
+    prep_error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        _clean_stale(save_dir)
-        os.makedirs(tmp)
-    _dist.barrier(grp)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _clean_stale(save_dir)
+            os.makedirs(tmp)
+        except OSError as e:
+            prep_error = f"cannot create {tmp}: {e}"
+    prep_error = _dist.broadcast(prep_error, grp)  # also the barrier before anyone writes into tmp
+    if prep_error is not None:
+        raise CheckpointError(f"saving {ckpt}: {prep_error}")
 
     if async_save:  # only keep buffers of tensors still saved
         live = {(n, tuple(p.local.shape), p.local.dtype, p.local.device.type) for n, p in pieces.items()}
