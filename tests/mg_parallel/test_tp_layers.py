@@ -158,6 +158,12 @@ def _check_mappings(grid: ProcessGrid, gen: torch.Generator) -> None:
     y.backward(grads[r])
     assert_close(x.grad, grads[r])
 
+    x = _leaf(mine)
+    y = reduce_from_tp_region(x * 2, g, inplace=True)
+    assert_close(y, total * 2, **TOL)
+    y.backward(grads[r])
+    assert_close(x.grad, grads[r] * 2)
+
     x = _leaf(full)
     y = scatter_to_tp_region(x, g)
     assert_close(y, _part(full, -1, r, tp))

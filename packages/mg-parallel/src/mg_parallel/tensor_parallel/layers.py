@@ -309,7 +309,8 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
-            y = reduce_from_tp_region(partial, self.tp_group)
+            # F.linear's backward reads its inputs, not its output: reduce the output in place.
+            y = reduce_from_tp_region(partial, self.tp_group, inplace=True)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -377,7 +378,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill_(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        return reduce_from_tp_region(out, self.tp_group)
+        return reduce_from_tp_region(out, self.tp_group, inplace=True)
 
     def extra_repr(self) -> str:
         return (

@@ -9,11 +9,12 @@ of the Megatron-LM paper (Shoeybi et al., 2019, section 3):
 * ``g`` = :func:`reduce_from_tp_region`: all-reduce forward, identity backward. It leaves a
   region whose ranks each produced a partial sum.
 
-Sequence parallelism (Korthikanti et al., 2022) replaces ``f``/``g`` by ``g-bar``/``g``-style
-pairs along the sequence dimension (dim 0 of ``[seq, batch, hidden]`` activations):
-:func:`gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter backward) in
-place of ``f``, and :func:`reduce_scatter_to_sequence_parallel_region` (reduce-scatter
-forward, all-gather backward) in place of ``g``.
+Sequence parallelism (Korthikanti et al., 2022, section 4.2.2) replaces them by collectives
+along the sequence dimension (dim 0 of ``[seq, batch, hidden]`` activations): that paper's
+``g`` = :func:`gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter
+backward) takes the place of ``f``, and its ``g-bar`` =
+:func:`reduce_scatter_to_sequence_parallel_region` (reduce-scatter forward, all-gather
+backward) takes the place of Megatron's ``g``.
 
 When ``group`` is None or has one rank every function returns its input unchanged, without an
 autograd node or a copy, so tensor-parallel size 1 costs nothing.
@@ -137,12 +138,16 @@ class _ReduceFromTP(torch.autograd.Function):
     """Megatron's ``g``: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, inplace: bool) -> torch.Tensor:
+        if inplace and x.is_contiguous():
+            dist.all_reduce(x, group=group)
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -231,14 +236,16 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None, *, inplace: bool = False) -> torch.Tensor:
     """Megatron's ``g``: leave a tensor-parallel region by summing the ranks' partial outputs.
 
     Forward all-reduces (sums) ``x`` over ``group``; backward is the identity. Any shape.
+    ``inplace=True`` reduces into ``x`` itself (saving a copy); only valid when nothing else
+    needs ``x``'s values, e.g. a fresh matmul output that its own backward does not read.
     """
     if group_size(group) == 1:
         return x
-    return _ReduceFromTP.apply(x, group)
+    return _ReduceFromTP.apply(x, group, inplace)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
