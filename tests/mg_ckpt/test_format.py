@@ -118,3 +118,23 @@ def test_bad_arguments_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="iteration"):
         save_checkpoint(str(tmp_path), -1, {"w": torch.zeros(1)})
     assert latest_iteration(str(tmp_path)) is None
+
+
+def test_slices_with_long_runs_and_odd_destinations(tmp_path):
+    # Rows of 16 KiB: column halves are 8 KiB runs (read with positioned reads); a 3-D box with a
+    # partial middle dim; a non-contiguous destination (strided copy path); a flat range target.
+    g = torch.Generator().manual_seed(3)
+    w, c = torch.randn(16, 4096, generator=g), torch.randn(4, 6, 1024, generator=g)
+    save_checkpoint(str(tmp_path), 1, {"w": w, "c": c})
+    for r in range(2):
+        half = ShardedTensor.from_split(torch.zeros(16, 2048), 1, r, 2)
+        box = ShardedTensor(torch.zeros(2, 3, 1024), (4, 6, 1024), (1, 2, 0))
+        load_checkpoint(str(tmp_path), {"w": half, "c": box})
+        assert torch.equal(half.local, w[:, r * 2048 : (r + 1) * 2048])
+        assert torch.equal(box.local, c[1:3, 2:5])
+    transposed = torch.zeros(4096, 16).t()  # a [16, 4096] view with non-contiguous strides
+    load_checkpoint(str(tmp_path), {"w": transposed}, strict=False)
+    assert torch.equal(transposed, w)
+    flat = ShardedTensor(torch.zeros(5000), (16, 4096), (0, 2048), (16, 2048), (1000, 6000))
+    load_checkpoint(str(tmp_path), {"w": flat})
+    assert torch.equal(flat.local, w[:, 2048:].reshape(-1)[1000:6000])
