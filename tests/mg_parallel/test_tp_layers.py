@@ -298,6 +298,9 @@ def _check_indivisible(tp: int) -> str:
     ):
         with pytest.raises(ValueError, match=what):
             make()
+    row = RowParallelLinear(4, 4, tp_group=grid.tp_group, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence length 3 is not divisible by the tensor-parallel size 2"):
+        row(torch.randn(3, 1, 2))
     return "ok"
 
 
