@@ -10,7 +10,7 @@ import numpy as np
 
 from mg_data.index_cache import cached_arrays, fingerprint
 
-_BLEND_VERSION = 1
+_BLEND_VERSION = 2  # bumped whenever the interleaving algorithm changes
 
 
 class SampleDataset(Protocol):
@@ -22,27 +22,43 @@ class SampleDataset(Protocol):
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy weighted interleaving of ``size`` samples.
+    """Deterministic weighted interleaving of ``size`` samples (Tijdeman's chairman assignment).
 
-    Sample ``i`` goes to the dataset whose count lags its target ``weights[k] * (i + 1)`` the most
-    (lowest index on ties), so after any prefix every dataset is within one sample of its target.
+    With ``K`` datasets and ``s = 1 - 1/(2K-2)``: sample ``n`` goes, among the datasets whose
+    count lags its target ``weights[k] * n`` by at least ``1 - s``, to the one whose target
+    reaches ``count + s`` first (lowest index on ties). After every prefix each dataset is then
+    within ``s < 1`` samples of its target (R. Tijdeman, "The chairman assignment problem",
+    1980); the plain largest-deficit greedy can drift past one sample with many datasets.
+
+    Args:
+        weights: non-negative weights summing to 1.
+        size: number of samples.
 
     Returns:
         (dataset_index int16 of shape (size,), dataset_sample_index int64 of shape (size,)): which
         dataset serves sample ``i`` and which of its samples it is.
     """
     w = [float(x) for x in weights]
-    k_range = range(1, len(w))
-    counts = [0] * len(w)
+    k_count = len(w)
+    counts = [0] * k_count
     which = array("h", bytes(2 * size))
     nth = array("q", bytes(8 * size))
+    if k_count == 1:
+        return np.zeros(size, dtype=np.int16), np.arange(size, dtype=np.int64)
+    s = 1.0 - 1.0 / (2 * k_count - 2)
+    threshold = 1.0 - s - 1e-9  # tolerance for float rounding of weights[k] * n
+    inv = [1.0 / x if x > 0 else float("inf") for x in w]
+    ks = range(k_count)
     for i in range(size):
-        t = i + 1
-        best, bv = 0, w[0] * t - counts[0]
-        for k in k_range:
-            v = w[k] * t - counts[k]
-            if v > bv:
-                best, bv = k, v
+        n = i + 1
+        best, deadline = -1, float("inf")
+        for k in ks:
+            if w[k] * n - counts[k] >= threshold:
+                d = (counts[k] + s) * inv[k]
+                if d < deadline:
+                    best, deadline = k, d
+        if best < 0:  # unreachable in exact arithmetic; fall back to the largest deficit
+            best = max(ks, key=lambda k: w[k] * n - counts[k])
         which[i] = best
         nth[i] = counts[best]
         counts[best] += 1
@@ -50,7 +66,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
 
 
 class BlendedDataset:
-    """``size`` samples mixed from ``datasets`` in proportion to ``weights`` (greedy, deterministic).
+    """``size`` samples mixed from ``datasets`` in proportion to ``weights`` (deterministic).
 
     ``ds[i]`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``; with a sample dict, the
     key ``dataset_id`` is added. The interleaving is cached like the GPT indices.
