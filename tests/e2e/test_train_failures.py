@@ -69,21 +69,35 @@ def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _worker_pid(session: int, local_rank: str) -> int:
+def _descendants(root: int) -> list[int]:
+    parent: dict[int, int] = {}
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getsid(int(pid)) != session:
+        if pid.isdigit():
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+                parent[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
+    out, frontier = [], [root]
+    while frontier:
+        cur = frontier.pop()
+        kids = [p for p, pp in parent.items() if pp == cur]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _worker_pid(launcher: int, local_rank: str) -> int:
+    """The training worker with ``LOCAL_RANK=local_rank`` among the launcher's descendants."""
+    for pid in _descendants(launcher):
+        try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
-        if f"LOCAL_RANK={local_rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            if b"mg_cli.main" in cmdline:
-                return int(pid)
-    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} in session {session}")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env and b"mg_cli.main" in cmdline:
+            return pid
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under process {launcher}")
 
 
 def test_fp16_overflow_skips_steps_and_backs_off(corpus, tmp_path):

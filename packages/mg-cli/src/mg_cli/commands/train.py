@@ -53,6 +53,12 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
     from mg_cli import launch
 
     if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher():
+        from mg_cli.training import TrainingError, preflight_for
+
+        try:  # fail once, in one line, before starting any worker
+            preflight_for(config, nproc_per_node * nnodes)
+        except (TrainingError, ConfigError) as e:
+            raise click.ClickException(str(e)) from None
         argv = ["train"]
         if config_path is not None:
             argv += ["--config", str(config_path)]

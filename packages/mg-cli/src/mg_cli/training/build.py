@@ -74,9 +74,13 @@ def check_model_layout(cfg: GPTConfig, config: RunConfig) -> None:
     p = config.parallel
     try:
         check_parallel(cfg, p.tp, p.pp)
-        partition_layers(cfg.num_layers, p.pp, p.vpp)
     except ValueError as e:
         raise TrainingError(str(e)) from None
+    if cfg.num_layers % (p.pp * p.vpp):
+        raise TrainingError(
+            f"model.num_layers={cfg.num_layers} cannot be split evenly over parallel.pp*parallel.vpp = "
+            f"{p.pp}*{p.vpp} = {p.pp * p.vpp} pipeline stages; choose a layer count divisible by it"
+        )
 
 
 def build_model_chunks(cfg: GPTConfig, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[GPTModel]:

@@ -86,14 +86,7 @@ def run_training(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """
     env = read_env()
     set_threads(config, env)
-    check_config(config, env)  # before any collective: every rank fails alike
-    from mg_data import build_tokenizer
-
-    tokenizer = build_tokenizer(config.data.tokenizer_model)
-    from mg_cli.training.build import check_model_layout, model_config
-
-    model_cfg = model_config(config, tokenizer.vocab_size)
-    check_model_layout(model_cfg, config)
+    tokenizer, model_cfg = preflight(config, env)  # before any collective: every rank fails alike
     load_path = _resolve_load(config, resume)
 
     init_distributed(env)
@@ -107,6 +100,32 @@ def run_training(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def preflight(config: RunConfig, env: Env) -> tuple[Any, Any]:
+    """Every check that needs no collective (config, layout, data files, tokenizer, model shape).
+
+    ``mg train --nproc-per-node N`` runs it before starting the workers, so a bad config fails
+    once, in one line, instead of once per rank.
+
+    Returns:
+        ``(tokenizer, model config)``.
+
+    Raises:
+        TrainingError: naming the key or file at fault.
+    """
+    check_config(config, env)
+    from mg_data import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(config.data.tokenizer_model)
+    except (ValueError, OSError) as e:
+        raise TrainingError(f"data.tokenizer_model: {e}") from None
+    from mg_cli.training.build import check_model_layout, model_config
+
+    model_cfg = model_config(config, tokenizer.vocab_size)
+    check_model_layout(model_cfg, config)
+    return tokenizer, model_cfg
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:
