@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,8 +23,6 @@ from mg_ckpt import (
 )
 from mg_parallel.testing import run_distributed
 from tests.mg_ckpt.layouts import check_state, make_state
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def state_at(iteration: int, numel: int = 4096) -> dict[str, torch.Tensor]:
@@ -47,16 +43,40 @@ def crash_child(save_dir: str, point: str, numel: int) -> None:
     os._exit(0)
 
 
-def loop_child(save_dir: str, numel: int) -> None:
-    """Save iterations 1, 2, ... forever, announcing each one (the parent kills it at random)."""
+def loop_child(save_dir: str, numel: int, announce: int) -> None:
+    """Save iterations 1, 2, ... forever, writing each committed iteration to fd ``announce``."""
     for it in range(1, 10_000):
         save_checkpoint(save_dir, it, state_at(it, numel), keep_last=2)
-        print(it, flush=True)
+        os.write(announce, b"%d\n" % it)
 
 
-def _python(code: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+def _fork(fn, *args) -> int:
+    """Run ``fn(*args)`` in a forked child (no interpreter start-up) and return its pid.
+
+    The child never returns into pytest: it ends with ``os._exit``. Tensors stay small so that
+    no intra-op thread pool is used after the fork.
+    """
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _exit_code(pid: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("child did not finish")
 
 
 def _loaded_iteration(save_dir: str, numel: int = 4096) -> int:
@@ -72,8 +92,7 @@ def _loaded_iteration(save_dir: str, numel: int = 4096) -> int:
     "point, expect", [("after_shard", 1), ("before_rename", 1), ("after_rename", 1), ("after_latest", 2)]
 )
 def test_crash_at_each_commit_step_leaves_a_loadable_checkpoint(tmp_path, point, expect):
-    child = _python(f"from tests.mg_ckpt.test_atomic import crash_child; crash_child({str(tmp_path)!r}, {point!r}, 4096)")
-    assert child.wait(timeout=120) == 17
+    assert _exit_code(_fork(crash_child, str(tmp_path), point, 4096)) == 17
     assert latest_iteration(str(tmp_path)) == expect
     assert _loaded_iteration(str(tmp_path)) == expect
     if point in ("after_shard", "before_rename"):
@@ -87,21 +106,28 @@ def test_crash_at_each_commit_step_leaves_a_loadable_checkpoint(tmp_path, point,
 
 def test_kill_at_random_moments(tmp_path):
     rng = random.Random(1234)
-    child = _python(f"from tests.mg_ckpt.test_atomic import loop_child; loop_child({str(tmp_path)!r}, 1 << 18)")
+    numel = 1 << 14
+    read_fd, write_fd = os.pipe()
+    pid = _fork(loop_child, str(tmp_path), numel, write_fd)
+    os.close(write_fd)
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "1"
-        for _ in range(3):
-            time.sleep(rng.uniform(0.05, 0.4))
-            child.send_signal(signal.SIGSTOP)  # freeze it mid-save, then check what is visible
-            it = _loaded_iteration(str(tmp_path), 1 << 18)
-            assert it >= 1
-            child.send_signal(signal.SIGCONT)
-        time.sleep(rng.uniform(0.05, 0.4))
+        with os.fdopen(read_fd) as announced:
+            assert announced.readline().strip() == "1"
+            for _ in range(4):
+                time.sleep(rng.uniform(0.01, 0.1))
+                os.kill(pid, signal.SIGSTOP)  # freeze it mid-save, then check what is visible
+                assert _loaded_iteration(str(tmp_path), numel) >= 1
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(rng.uniform(0.01, 0.1))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     finally:
-        child.kill()
-        child.wait()
-    assert _loaded_iteration(str(tmp_path), 1 << 18) == latest_iteration(str(tmp_path))
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    assert _loaded_iteration(str(tmp_path), numel) == latest_iteration(str(tmp_path))
     assert len(list_checkpoints(str(tmp_path))) <= 2
 
 
