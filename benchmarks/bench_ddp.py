@@ -93,8 +93,8 @@ def run_two_ranks(configs: dict, rounds: int) -> dict[str, tuple[float, float]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "store"), configs, rounds, queue))
-                 for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "store"), configs, rounds, queue),
+                             daemon=True) for r in range(2)]
         for p in procs:
             p.start()
         result = queue.get(timeout=900)
