@@ -226,6 +226,32 @@ def _check_init(grid: ProcessGrid) -> None:
     assert torch.count_nonzero(layer.weight) == 0
 
 
+def _check_autocast(grid: ProcessGrid, sp: bool, gen: torch.Generator) -> None:
+    """Under CPU bf16 autocast the parallel MLP runs and matches nn.Linear's under autocast."""
+    tp, r, g = grid.tp_size, grid.tp_rank, grid.tp_group
+    ref1, ref2 = nn.Linear(IN, OUT), nn.Linear(OUT, IN)
+    x = torch.randn(S, B, IN, generator=gen)
+    x_ref = _leaf(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = ref2(F.gelu(ref1(x_ref)))
+    y_ref.float().sum().backward()
+    col = ColumnParallelLinear(IN, OUT, tp_group=g, sequence_parallel=sp, init_method=_copy_init(ref1.weight.detach()))
+    row = RowParallelLinear(OUT, IN, tp_group=g, sequence_parallel=sp, init_method=_copy_init(ref2.weight.detach()))
+    with torch.no_grad():
+        col.bias.copy_(_part(ref1.bias, 0, r, tp))
+        row.bias.copy_(ref2.bias)
+    x_local = _leaf(_part(x, 0, r, tp) if sp else x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = row(F.gelu(col(x_local)))
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    y.float().sum().backward()
+    loose = {"rtol": 5e-2, "atol": 5e-2}
+    case = f"autocast tp={tp} sp={sp}"
+    assert_close(y.float(), (_part(y_ref, 0, r, tp) if sp else y_ref).float(), **loose, msg=lambda m: f"{case}: {m}")
+    assert x_local.grad.dtype == torch.float32 and col.weight.grad.dtype == torch.float32
+    assert_close(col.weight.grad, _part(ref1.weight.grad, 0, r, tp), **loose, msg=lambda m: f"{case} grad: {m}")
+
+
 def _all_layer_checks(tp: int) -> str:
     grid = build_grid(ParallelDims(tp=tp))
     # Same generator seed on every rank: every rank builds the same reference inputs.
@@ -239,6 +265,7 @@ def _all_layer_checks(tp: int) -> str:
         for input_is_parallel in ((True,) if sp else (True, False)):
             _check_row(grid, sp, input_is_parallel, gen)
         _check_embedding(grid, sp, gen)
+        _check_autocast(grid, sp, gen)
     _check_init(grid)
     return "ok"
 

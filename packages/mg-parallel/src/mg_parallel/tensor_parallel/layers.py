@@ -117,7 +117,7 @@ class _ColumnLinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         total = all_gather_dim0(x, group) if sequence_parallel else x
         return F.linear(total, weight, bias)
@@ -127,6 +127,9 @@ class _ColumnLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # Under autocast the forward matmul ran in a lower precision than the saved tensors:
+        # do the backward matmuls in the gradient's dtype and return grads in the inputs' dtypes.
+        compute = grad_out.dtype
         if sp and need_w:
             total, gather_work = all_gather_dim0(x, group, async_op=True)
         else:
@@ -134,7 +137,9 @@ class _ColumnLinearFn(torch.autograd.Function):
 
         grad_input, work = None, None
         if need_x:
-            grad_input = grad_out.matmul(weight)
+            grad_input = grad_out.matmul(weight.to(compute))
+            if grad_input.dtype != x.dtype:
+                grad_input = grad_input.to(x.dtype)
             if sp:
                 if gather_work is not None:
                     # A second collective may not start before the first completes on some
@@ -151,9 +156,9 @@ class _ColumnLinearFn(torch.autograd.Function):
             if need_w:
                 if gather_work is not None:
                     gather_work.wait()
-                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
-            if need_b and ctx.has_bias:
-                grad_bias = grad_2d.sum(0)
+                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
+            if need_b and ctx.bias_dtype is not None:
+                grad_bias = grad_2d.sum(0).to(ctx.bias_dtype)
         if work is not None:
             work.wait()
         return grad_input, grad_weight, grad_bias, None, None
@@ -311,7 +316,8 @@ class RowParallelLinear(nn.Module):
         else:
             # F.linear's backward reads its inputs, not its output: reduce the output in place.
             y = reduce_from_tp_region(partial, self.tp_group, inplace=True)
-        return y + self.bias if self.bias is not None else y
+        # (cast: under autocast y is in the autocast dtype, as nn.Linear's output would be)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (
