@@ -22,7 +22,24 @@ import torch.distributed as dist
 
 from mg_parallel.grid import ProcessGrid
 
-__all__ = ["PendingRecv", "post_step"]
+__all__ = ["PendingRecv", "ensure_p2p_ready", "post_step"]
+
+# Pipeline groups (by id) that have already run one collective in this process.
+_READY_GROUPS: set[int] = set()
+
+
+def ensure_p2p_ready(grid: ProcessGrid) -> None:
+    """Run one tiny collective over ``grid.pp_group`` the first time it is used (collective).
+
+    NCCL requires the first operation on a communicator to involve all of its ranks, while a
+    pipeline's first exchange involves only stages 0 and 1; one all-reduce up front creates the
+    communicator on every stage. Cheap and harmless on gloo, where it is done too.
+    """
+    group = grid.pp_group
+    if group is None or id(group) in _READY_GROUPS:
+        return
+    dist.all_reduce(torch.zeros(1, device=grid.device), group=group)
+    _READY_GROUPS.add(id(group))
 
 
 @dataclass

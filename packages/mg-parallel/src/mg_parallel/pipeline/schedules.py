@@ -27,7 +27,7 @@ from torch import nn
 
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.pipeline.grads import allreduce_shared_embedding_grads
-from mg_parallel.pipeline.p2p import PendingRecv, post_step
+from mg_parallel.pipeline.p2p import PendingRecv, ensure_p2p_ready, post_step
 from mg_parallel.pipeline.recorder import Recorder
 from mg_parallel.pipeline.timetable import Message, pipeline_plan
 
@@ -216,6 +216,7 @@ def _run_plan(
     for i, step in enumerate(plan):
         if step.op is not None and step.op.kind == "B":
             last_backward[step.op.chunk] = i
+    ensure_p2p_ready(grid)
     batches = _Batches(data_iterator, v)
     received: dict[Message, PendingRecv] = {}
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
