@@ -182,9 +182,10 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.head_dim)
-        k = qkv[:, :, :, self.q_per_group]  # [s, b, groups, d]
-        v = qkv[:, :, :, self.q_per_group + 1]
+        # split (not indexing): its backward is one concatenation instead of three zero-filled scatters.
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads, self.head_dim)  # a view for multi-head attention
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, groups, d]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
