@@ -164,6 +164,7 @@ CASES_2 = [
     dict(pp=2, m=3, first=3, last=5, loss_scale=1024.0),
     dict(pp=2, m=3, tied=True, own_finalize=True),  # the pipeline's own tied-embedding reduction
     dict(pp=2, vpp=2, m=4, tied=True, recompute=True),
+    dict(pp=1, m=3, ddp=True),  # no pipelining, dp=2: DDP's no_sync for all but the last microbatch
 ]
 CASES_4 = [
     dict(pp=4, m=2),
