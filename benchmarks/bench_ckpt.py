@@ -93,27 +93,39 @@ def main() -> None:
         assert all(torch.equal(template[k], state[k]) for k in state)
         t_load_v = best(lambda: load_checkpoint(save_dir, template, verify=True), 2)
 
-        def tp4_columns() -> None:
+        # Templates are allocated and touched beforehand, as a model's parameters are when it loads.
+        def split_templates(dim: int) -> list[dict[str, ShardedTensor]]:
+            out = []
             for r in range(4):
-                tmpl = {k: ShardedTensor.from_split(torch.empty(v.shape[0], v.shape[1] // 4), 1, r, 4) for k, v in state.items()}
-                load_checkpoint(save_dir, tmpl, verify=False)
+                out.append({})
+                for k, v in state.items():
+                    shape = list(v.shape)
+                    shape[dim] //= 4
+                    out[-1][k] = ShardedTensor.from_split(torch.zeros(shape), dim, r, 4)
+            return out
 
-        def tp4_rows() -> None:
+        def flat_templates() -> list[dict[str, ShardedTensor]]:
+            out = []
             for r in range(4):
-                tmpl = {k: ShardedTensor.from_split(torch.empty(v.shape[0] // 4, v.shape[1]), 0, r, 4) for k, v in state.items()}
-                load_checkpoint(save_dir, tmpl, verify=False)
-
-        def dp4_flat() -> None:
-            for r in range(4):
-                tmpl = {}
+                out.append({})
                 for k, v in state.items():
                     n = v.numel() // 4
-                    tmpl[k] = ShardedTensor(torch.empty(n), v.shape, (0, 0), v.shape, (r * n, (r + 1) * n))
+                    out[-1][k] = ShardedTensor(torch.zeros(n), v.shape, (0, 0), v.shape, (r * n, (r + 1) * n))
+            return out
+
+        def load_all(templates: list[dict[str, ShardedTensor]]) -> None:
+            for tmpl in templates:
                 load_checkpoint(save_dir, tmpl, verify=False)
 
-        t_tp4 = best(tp4_columns, 2)
-        t_tp4r = best(tp4_rows, 2)
-        t_dp4 = best(dp4_flat, 2)
+        template.clear()
+
+        def reshard_time(make) -> float:
+            templates = make()
+            return best(lambda: load_all(templates), 2)
+
+        t_tp4 = reshard_time(lambda: split_templates(1))
+        t_tp4r = reshard_time(lambda: split_templates(0))
+        t_dp4 = reshard_time(flat_templates)
 
         print(f"raw write+fsync        {gb / t_raw_w:6.2f} GB/s")
         print(f"save_checkpoint        {gb / t_save:6.2f} GB/s   ratio to raw write {t_raw_w / t_save:.2f}  (target >= 0.7)")
@@ -123,7 +135,6 @@ def main() -> None:
         print(f"reshard tp1->tp4 rows  {t_tp4r / t_load:6.2f} x same-layout load time (target <= 1.5)")
         print(f"reshard tp1->tp4 cols  {t_tp4 / t_load:6.2f} x same-layout load time (target <= 1.5; 4 KiB runs per row)")
         print(f"reshard tp1->dp4 flat  {t_dp4 / t_load:6.2f} x same-layout load time (target <= 1.5)")
-        template.clear()
 
         # Async stall on a training-like loop.
         n = 1536
