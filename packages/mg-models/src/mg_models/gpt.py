@@ -139,7 +139,7 @@ class GPTModel(nn.Module):
         sequence_parallel: split activations between tp regions along the sequence.
         seed: initialisation seed.
         rng_tracker: mg_parallel ``RNGTracker`` for dropout on tp-sharded activations.
-        recompute: optional ``fn(layer, *args)`` wrapping each layer in training (activation recompute).
+        recompute: an mg_parallel ``RecomputeConfig`` (full layers or core attention only), or None.
         dtype: parameter dtype (fp32 when None).
         layer_spec: override of the layer spec (default :func:`~mg_models.transformer.gpt_layer_spec`).
 
@@ -165,8 +165,7 @@ class GPTModel(nn.Module):
         self.layer_range = (start, end)
         self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
                                 sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
-                                rng_tracker=rng_tracker, device=grid.device, dtype=dtype)
-        self.recompute = recompute
+                                rng_tracker=rng_tracker, recompute=recompute, device=grid.device, dtype=dtype)
         self.input_tensor: torch.Tensor | None = None
         self.gather_logits_default = False
         """When True, forward returns full unpadded logits unless told otherwise (set by load_pretrained)."""
@@ -243,7 +242,7 @@ class GPTModel(nn.Module):
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
         mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device)
-        x = self.decoder(x, rotary, mask, inference_cache, checkpoint_fn=self.recompute)
+        x = self.decoder(x, rotary, mask, inference_cache)
         if inference_cache is not None:
             inference_cache.advance(s, last_stage=self.post_process)
         if not self.post_process:

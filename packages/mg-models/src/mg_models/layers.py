@@ -176,6 +176,13 @@ class SelfAttention(nn.Module):
             ctx.mark_partial_grads(self.q_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
             ctx.mark_partial_grads(self.k_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
 
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        dropout: float, is_causal: bool) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with dropout: q [b, heads, s, d], k/v [b, heads, s_k, d] -> [b, heads, s, d]."""
+        # Attention dropout acts on this rank's heads, so it draws from the per-tp-rank stream.
+        with self.ctx.tp_rng() if dropout > 0 else _NULL:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None, cache: object | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]. ``cache`` is an :class:`~mg_models.generation.InferenceCache`."""
@@ -199,13 +206,20 @@ class SelfAttention(nn.Module):
             v = v.repeat_interleave(self.q_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
         is_causal = mask is None and s > 1 and k.shape[2] == s
-        with self.ctx.tp_rng() if dropout > 0 else _NULL:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+        rc = self.ctx.recompute
+        if rc is not None and rc.recompute_core_attention and self.training and torch.is_grad_enabled():
+            from mg_parallel.recompute import recompute
+
+            out = recompute(self._core_attention, q, k, v, mask, dropout, is_causal, rng_tracker=self.ctx.rng_tracker)
+        else:
+            out = self._core_attention(q, k, v, mask, dropout, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, heads*d]
         return self.linear_proj(out)
 
 
 class _Null:
+    """A reusable no-op context manager."""
+
     def __enter__(self) -> None:
         return None
 

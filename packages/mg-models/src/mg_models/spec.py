@@ -56,6 +56,8 @@ class BuildContext:
     """Initialisation seed; each parameter's values derive from (seed, its global name)."""
     rng_tracker: Any = None
     """An mg_parallel RNGTracker whose ``fork()`` gives the per-tp-rank dropout stream, or None."""
+    recompute: Any = None
+    """An mg_parallel ``RecomputeConfig`` (full layers or core attention), or None."""
     device: torch.device | None = None
     dtype: torch.dtype | None = None
 

@@ -75,6 +75,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str, layer_range: tuple[int, int], post_process: bool,
                  layer_spec: ModuleSpec | None = None) -> None:
         super().__init__()
+        self.ctx = ctx
         spec = layer_spec or gpt_layer_spec(ctx)
         self.layers = nn.ModuleDict({
             str(i): build_module(spec, ctx, f"{prefix}.layers.{i}", layer_number=i) for i in range(*layer_range)
@@ -85,12 +86,14 @@ class TransformerBlock(nn.Module):
             ctx.mark_partial_grads(self.final_layernorm, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None, cache: object | None = None,
-                checkpoint_fn: object | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> same shape. ``checkpoint_fn(fn, *args)`` (e.g. recompute) wraps each layer."""
-        for layer in self.layers.values():
-            if checkpoint_fn is not None and self.training and cache is None:
-                x = checkpoint_fn(layer, x, rotary, mask, None)
+                mask: torch.Tensor | None = None, cache: object | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> same shape. Layers selected by ``ctx.recompute`` are recomputed in backward."""
+        rc = self.ctx.recompute
+        for index, layer in enumerate(self.layers.values()):
+            if rc is not None and self.training and cache is None and rc.recompute_layer(index):
+                from mg_parallel.recompute import recompute
+
+                x = recompute(layer, x, rotary, mask, None, rng_tracker=self.ctx.rng_tracker)
             else:
                 x = layer(x, rotary, mask, cache)
         if self.final_layernorm is not None:
