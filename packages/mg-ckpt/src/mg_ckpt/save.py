@@ -284,6 +284,8 @@ def save_checkpoint(
     handle = SaveHandle(ckpt, iteration)
 
     def finish() -> None:
+        if async_save:
+            _lower_priority()
         try:
             _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra_json, layout_json, world, rank, grp, keep_last)
         except BaseException as e:  # re-raised by wait(); never swallowed
@@ -297,6 +299,15 @@ def save_checkpoint(
         finish()
         handle.wait()
     return handle
+
+
+def _lower_priority() -> None:
+    # Linux applies nice values per thread (threads it creates inherit it): the background writer
+    # and its hashing thread then yield the CPU to the training loop. Best effort elsewhere.
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _metadata(iteration, state, tensors, layout, files, world, files_placeholder=False) -> dict[str, Any]:
