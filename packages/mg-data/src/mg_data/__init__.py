@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from mg_data.bert_dataset import BertDataset, BertDatasetConfig, build_bert_datasets
 from mg_data.blended import BlendedDataset, build_blending_indices
 from mg_data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets, make_sample, parse_blend
 from mg_data.indexed import (
@@ -14,10 +15,13 @@ from mg_data.indexed import (
 from mg_data.jsonl import BadLineError
 from mg_data.preprocess import PreprocessConfig, PreprocessSummary, ProgressInfo, run_preprocess
 from mg_data.sampler import GlobalBatchSampler
+from mg_data.t5_dataset import T5Dataset, T5DatasetConfig, build_t5_datasets
 from mg_data.tokenizers import Tokenizer, build_tokenizer, train_sentencepiece
 
 __all__ = [
     "BadLineError",
+    "BertDataset",
+    "BertDatasetConfig",
     "BlendedDataset",
     "GPTDataset",
     "GPTDatasetConfig",
@@ -28,9 +32,13 @@ __all__ = [
     "PreprocessConfig",
     "PreprocessSummary",
     "ProgressInfo",
+    "T5Dataset",
+    "T5DatasetConfig",
     "Tokenizer",
+    "build_bert_datasets",
     "build_blending_indices",
     "build_gpt_datasets",
+    "build_t5_datasets",
     "build_tokenizer",
     "inspect_dataset",
     "make_sample",
