@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mg_cli.commands.train:train", "Pretrain a model from a YAML config, on one or many processes."),
     "preprocess": ("mg_cli.commands.preprocess:preprocess", "Tokenize JSONL text into .bin/.idx datasets."),
     "tokenizer": ("mg_cli.commands.tokenizer:tokenizer", "Train a SentencePiece tokenizer or encode text."),
+    "convert": ("mg_cli.commands.convert:convert", "Convert Hugging Face models to mg checkpoints and back."),
     "generate": ("mg_cli.commands.generate:generate", "Continue prompts with a trained checkpoint (KV cache)."),
     "inspect": ("mg_cli.commands.inspect:inspect", "Describe and verify a dataset prefix or a checkpoint."),
     "plot": ("mg_cli.commands.plot:plot", "Render a run's loss and throughput curves to a PNG."),
