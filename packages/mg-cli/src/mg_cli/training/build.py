@@ -72,6 +72,9 @@ def check_model_layout(cfg: GPTConfig, config: RunConfig) -> None:
     from mg_models.config import check_parallel
 
     p = config.parallel
+    if p.recompute == "selective":
+        raise TrainingError("parallel.recompute=selective is not supported by mg train yet; use full (optionally "
+                            "with parallel.recompute_num_layers) or none")
     try:
         check_parallel(cfg, p.tp, p.pp)
     except ValueError as e:
