@@ -98,8 +98,9 @@ def random_spans_helper(inputs_length: int, noise_density: float = 0.15, mean_no
 
     The raw length is the largest ``n`` whose corrupted form (non-noise tokens, one sentinel per
     noise span and one end-of-sequence token) fits in ``inputs_length``; the decoder length is
-    noise tokens + one sentinel per span + end-of-sequence. The corrupted form may be one token
-    shorter than ``inputs_length`` (adding a token can add a sentinel too); it is then padded.
+    noise tokens + one sentinel per span + end-of-sequence. One more raw token lengthens the
+    corrupted form by at most one (a new span needs a new noise token, which leaves the non-noise
+    count unchanged), so the corrupted form is exactly ``inputs_length`` long.
 
     Returns:
         (raw tokens per sample, decoder targets length).

@@ -90,8 +90,8 @@ class T5Dataset:
     shuffled, so sentence order inside a document is kept). ``ds[i]`` is a dict of numpy arrays
     (E = ``encoder_seq_length``, D = ``decoder_seq_length or decoder_length``):
 
-    * ``text_enc`` int64 (E,): raw tokens with each noise span replaced by its sentinel, then EOS,
-      padded (at most one pad: the formula may leave the input one short of E);
+    * ``text_enc`` int64 (E,): raw tokens with each noise span replaced by its sentinel, then EOS
+      (exactly E tokens: ``random_spans_helper`` chooses ``raw_length`` so; never padded);
     * ``text_dec`` int64 (D,): decoder input, ``decoder_start_id`` then the targets shifted right;
     * ``labels`` int64 (D,): targets (for span k: ``sentinel_ids[k]`` then its tokens; then EOS),
       -100 on padding;
