@@ -33,7 +33,7 @@ class ModelSection:
     """The network. Unset fields (null) come from ``preset``."""
 
     type: Literal["gpt", "bert", "t5"] = _f("gpt", "model family")
-    preset: str | None = _f(None, "named shape to start from, e.g. gpt2-small, llama-tiny; fields below override it")
+    preset: str | None = _f(None, "named shape to start from, e.g. gpt2-small, tiny-llama; fields below override it")
     num_layers: int | None = _f(None, "transformer layers")
     hidden_size: int | None = _f(None, "model width")
     num_attention_heads: int | None = _f(None, "attention heads")

@@ -9,9 +9,9 @@ import click
 
 
 @click.command("train", context_settings={"show_default": True})
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+@click.option("--config", "config_path", envvar="MG_TRAIN_CONFIG", type=click.Path(path_type=Path), default=None,
               help="YAML run configuration (sections model, parallel, train, optim, data, eval, checkpoint, log).")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+@click.option("--set", "overrides", multiple=True, envvar="MG_TRAIN_SET", metavar="SECTION.KEY=VALUE",
               help="Override one config key (repeatable); the value is parsed as YAML and type-checked.")
 @click.option("--resume", is_flag=True, help="Resume from the latest checkpoint under checkpoint.save.")
 @click.option("--nproc-per-node", type=int, default=1, help="Processes to start on this node (torch.distributed.run).")
