@@ -248,3 +248,23 @@ def test_whole_word_masking_with_sentencepiece(corpus, sp_with_specials, tmp_pat
     assert partial == 0 and 0.13 < rate < 0.16  # round() per sequence lets short ones exceed 15%
     partial, rate = partial_words(False)
     assert partial > 0 and rate == pytest.approx(0.15, abs=0.01)  # the check above can fail
+
+
+def test_single_segment_mode_and_pickled_word_start_config(tmp_path):
+    ds, vocab = sentence_corpus(tmp_path / "s")
+    starts = lambda i: i % 2 == 0  # noqa: E731 - a lambda does not pickle; the config keeps its table only
+    cfg = config(vocab, sentence_task="none", is_word_start=starts)
+    bert = pickle.loads(pickle.dumps(BertDataset(ds, (0, ds.num_documents), None, cfg)))
+    np.testing.assert_array_equal(bert.config.word_starts, np.arange(vocab) % 2 == 0)
+    for i in range(len(bert)):
+        s = bert[i]
+        n = int(s["padding_mask"].sum())
+        tok = original(s)[:n]
+        assert tok[0] == CLS and tok[-1] == SEP and (tok[1:-1] >= FIRST_TOKEN).all()
+        assert not s["types"].any() and s["is_random"] == 0
+        if not s["truncated"]:
+            assert (np.diff(tok[1:-1]) == 1).all()
+    # one-sentence documents count too: one epoch covers every sentence once
+    assert sorted(k for a, b, _ in bert.samples for k in range(a, b)) == list(range(len(ds)))
+    with pytest.raises(ValueError, match="word_starts"):
+        config(vocab, word_starts=np.ones(3, dtype=bool))
