@@ -1,0 +1,353 @@
+"""BertModel: a bidirectional encoder with the masked-LM and binary (next-sentence / sentence-order) heads.
+
+Built from the same blocks as the GPT family (:class:`~mg_models.layers.SelfAttention`,
+:class:`~mg_models.layers.MLP`, :class:`~mg_models.transformer.TransformerBlock`) on mg-parallel
+layers, so it runs under tensor, sequence and pipeline parallelism:
+
+* post-LN layers as the original BERT (``x = LN(x + attn(x)); x = LN(x + mlp(x))``, embedding
+  LayerNorm) or, with ``pre_layernorm=True``, pre-LN layers with a final LayerNorm;
+* attention is never causal; a padding ``attention_mask`` [b, s] (1 = token, 0 = pad) masks keys;
+* the MLM head is dense -> gelu -> LayerNorm -> logits against the (tied) word embedding plus a
+  vocabulary-sharded output bias; the binary head is a tanh pooler on ``[CLS]`` (position 0) and
+  a linear layer to 2 classes;
+* parameter values derive from ``(seed, global name)``, so every layout holds slices of the same
+  global tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mg_models.config import GPTConfig, check_parallel
+from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
+from mg_models.init import normal_init
+from mg_models.layers import MLP, LayerNorm, SelfAttention
+from mg_models.spec import BuildContext, ModuleSpec, build_module
+from mg_models.transformer import TransformerBlock, gpt_layer_spec
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel import (
+    VocabParallelEmbedding,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["BERT_PRESETS", "BertConfig", "BertLayer", "BertModel", "get_bert_config", "load_hf_bert"]
+
+
+@dataclass(kw_only=True)
+class BertConfig(GPTConfig):
+    """Architecture of a BERT encoder: the transformer fields of :class:`GPTConfig` plus BERT's own.
+
+    Defaults follow BERT: exact GeLU, LayerNorm eps 1e-12, 512 positions, std-0.02 init everywhere.
+    """
+
+    max_position_embeddings: int = 512
+    norm_eps: float = 1e-12
+    scaled_output_init: bool = False
+    type_vocab_size: int = 2
+    """Number of token types (segments); 0 disables the token-type embedding."""
+    pre_layernorm: bool = False
+    """Pre-LN layers with a final LayerNorm (and no embedding LayerNorm) instead of BERT's post-LN."""
+    add_binary_head: bool = True
+    """Build the pooler and the 2-way binary head (next-sentence / sentence-order prediction)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.position_embedding != "learned":
+            raise ValueError(f"model.position_embedding={self.position_embedding!r}: BERT uses 'learned' positions")
+        if self.normalization != "layernorm":
+            raise ValueError(f"model.normalization={self.normalization!r}: BERT uses 'layernorm'")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"model.activation={self.activation!r}: BERT supports 'gelu' or 'gelu_tanh'")
+        if not self.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings=False: BERT's MLM decoder is tied to the word embeddings")
+        if self.sliding_window is not None or self.qk_layernorm:
+            raise ValueError("model.sliding_window and model.qk_layernorm are not used by BERT; leave them unset")
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
+            raise ValueError(f"model.type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
+
+
+BERT_PRESETS: dict[str, dict[str, Any]] = {
+    "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, vocab_size=30522),
+    "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
+                       vocab_size=30522),
+    "tiny-bert": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=512,
+                      max_position_embeddings=128),
+}
+"""BERT shapes by name (fields of :class:`BertConfig`)."""
+
+
+def get_bert_config(name: str, **overrides: Any) -> BertConfig:
+    """The BERT preset ``name`` with ``overrides`` applied.
+
+    Raises:
+        ValueError: unknown preset (lists the valid ones) or an invalid override.
+    """
+    if name not in BERT_PRESETS:
+        raise ValueError(f"unknown BERT preset {name!r}; choose one of {sorted(BERT_PRESETS)}")
+    return BertConfig(**{**BERT_PRESETS[name], **overrides})
+
+
+class BertLayer(nn.Module):
+    """A post-LN encoder layer: ``x = LN(x + attn(x))`` then ``x = LN(x + mlp(x))``; x [s(/tp), b, h]."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, layer_number: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.hidden_dropout = ctx.config.hidden_dropout
+        self.self_attention = SelfAttention(ctx, f"{prefix}.self_attention", layer_number)
+        self.post_attention_layernorm = LayerNorm(ctx, f"{prefix}.post_attention_layernorm")
+        self.mlp = MLP(ctx, f"{prefix}.mlp")
+        self.post_mlp_layernorm = LayerNorm(ctx, f"{prefix}.post_mlp_layernorm")
+        for norm in (self.post_attention_layernorm, self.post_mlp_layernorm):
+            ctx.mark_partial_grads(norm, ctx.sequence_parallel)
+
+    def _dropout_add(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hidden_dropout > 0:
+            # Sequence-parallel activations differ per tp rank, so their dropout masks must too.
+            with self.ctx.tp_rng() if self.ctx.sequence_parallel else contextlib.nullcontext():
+                branch = F.dropout(branch, self.hidden_dropout, training=True)
+        return residual + branch
+
+    def forward(self, x: torch.Tensor, rotary: Any = None, mask: torch.Tensor | None = None,
+                cache: Any = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> same shape; ``mask`` is a boolean [b, 1, 1|s, s] (True = attend)."""
+        x = self.post_attention_layernorm(self._dropout_add(self.self_attention(x, None, mask, None), x))
+        return self.post_mlp_layernorm(self._dropout_add(self.mlp(x), x))
+
+
+class BertEmbedding(nn.Module):
+    """Word + position (+ token-type) embeddings, scattered for sequence parallelism, then (post-LN) LayerNorm
+    and dropout: ids [b, s] -> hidden [s(/tp), b, h]."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        c = ctx.config
+        self.ctx = ctx
+        std = c.init_method_std
+        self.word_embeddings = VocabParallelEmbedding(
+            c.padded_vocab_size, c.hidden_size, tp_group=ctx.tp_group, sequence_parallel=False,
+            init_method=normal_init(ctx.seed, WORD_EMBEDDING, std), dtype=ctx.dtype, device=ctx.device)
+        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=ctx.dtype,
+                                                device=ctx.device)
+        normal_init(ctx.seed, "embedding.position_embeddings.weight", std)(self.position_embeddings.weight)
+        self.tokentype_embeddings = None
+        if c.type_vocab_size > 0:
+            self.tokentype_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size, dtype=ctx.dtype,
+                                                     device=ctx.device)
+            normal_init(ctx.seed, "embedding.tokentype_embeddings.weight", std)(self.tokentype_embeddings.weight)
+        self.layernorm = None
+        if not c.pre_layernorm:
+            self.layernorm = LayerNorm(ctx, "embedding.layernorm")
+            ctx.mark_partial_grads(self.layernorm, ctx.sequence_parallel)
+        self.dropout = c.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        s = input_ids.shape[1]
+        x = self.word_embeddings(input_ids.t())  # [s, b, h], replicated over tp
+        x = x + self.position_embeddings.weight[:s, None, :]
+        if self.tokentype_embeddings is not None:
+            types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            x = x + self.tokentype_embeddings(types.t())
+        elif token_type_ids is not None:
+            raise ValueError("token_type_ids given but model.type_vocab_size=0; set type_vocab_size or drop them")
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h]
+        if self.layernorm is not None:
+            x = self.layernorm(x)
+        if self.training and self.dropout > 0:
+            with self.ctx.tp_rng() if self.ctx.sequence_parallel else contextlib.nullcontext():
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+def _replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int) -> nn.Linear:
+    """An nn.Linear (same on every tp rank): weight N(0, std) seeded by its global name, bias 0."""
+    layer = nn.Linear(n_in, n_out, dtype=ctx.dtype, device=ctx.device)
+    normal_init(ctx.seed, f"{name}.weight", ctx.config.init_method_std)(layer.weight)
+    with torch.no_grad():
+        layer.bias.zero_()
+    return layer
+
+
+class BertLMHead(nn.Module):
+    """The MLM transform (dense -> gelu -> LayerNorm) and the vocabulary-sharded output ``bias`` [V_pad/tp]."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        c = ctx.config
+        self.activation = "tanh" if c.activation == "gelu_tanh" else "none"
+        self.dense = _replicated_linear(ctx, "lm_head.dense", c.hidden_size, c.hidden_size)
+        self.layernorm = LayerNorm(ctx, "lm_head.layernorm")
+        # Under sequence parallelism both act on this rank's sequence chunk: partial grads.
+        ctx.mark_partial_grads(self.dense, ctx.sequence_parallel)
+        ctx.mark_partial_grads(self.layernorm, ctx.sequence_parallel)
+        self.bias = nn.Parameter(torch.zeros(c.padded_vocab_size // ctx.tp_size, device=ctx.device,
+                                             dtype=ctx.dtype or torch.float32))
+        self.bias.tensor_parallel = True
+        self.bias.partition_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s(/tp), b, h] -> transformed [s(/tp), b, h]."""
+        return self.layernorm(F.gelu(self.dense(x), approximate=self.activation))
+
+
+class BertModel(nn.Module):
+    """BERT on mg-parallel layers (see module docstring).
+
+    Args:
+        config: the architecture.
+        grid: the process grid (``ProcessGrid.single()`` when None).
+        pre_process: this chunk holds the embedding (first pipeline stage).
+        post_process: this chunk holds the heads (last pipeline stage).
+        layer_range: global ``(start, end)`` layers held here; None means all.
+        sequence_parallel: split activations between tp regions along the sequence.
+        seed: initialisation seed.
+        rng_tracker: mg_parallel ``RNGTracker`` for dropout on tp-sharded activations.
+        recompute: an mg_parallel ``RecomputeConfig``, or None.
+        dtype: parameter dtype (fp32 when None).
+
+    Raises:
+        ValueError: the layout does not fit the config (names the field), or a bad layer_range.
+    """
+
+    def __init__(self, config: BertConfig, grid: ProcessGrid | None = None, *, pre_process: bool = True,
+                 post_process: bool = True, layer_range: tuple[int, int] | None = None,
+                 sequence_parallel: bool = False, seed: int = 1234, rng_tracker: Any = None,
+                 recompute: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, BertConfig):
+            raise ValueError(f"BertModel needs a BertConfig, got {type(config).__name__}")
+        grid = grid or ProcessGrid.single()
+        check_parallel(config, grid.tp_size, grid.pp_size)
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= model.num_layers="
+                             f"{config.num_layers}")
+        self.config, self.grid = config, grid
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = (start, end)
+        self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
+                                sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
+                                rng_tracker=rng_tracker, recompute=recompute, device=grid.device, dtype=dtype)
+        self.input_tensor: torch.Tensor | None = None
+        self.gather_logits_default = False
+        """When True, forward returns full unpadded MLM logits unless told otherwise (set by load_hf_bert)."""
+
+        self.embedding = BertEmbedding(self.ctx) if pre_process else None
+        spec = gpt_layer_spec(self.ctx) if config.pre_layernorm else ModuleSpec(BertLayer)
+        self.encoder = TransformerBlock(self.ctx, "encoder", self.layer_range,
+                                        post_process and config.pre_layernorm, spec)
+        self.lm_head = self.output_layer = self.pooler = self.binary_head = None
+        if post_process:
+            self.lm_head = BertLMHead(self.ctx)
+            # The last stage of a pipeline owns a copy of the tied word embedding (Megatron's scheme).
+            self.output_layer = ParallelLMHead(self.ctx, None if pre_process else WORD_EMBEDDING)
+            if not pre_process:
+                self.output_layer.weight.shared_embedding = True
+            if config.add_binary_head:
+                self.pooler = _replicated_linear(self.ctx, "pooler", config.hidden_size, config.hidden_size)
+                self.binary_head = _replicated_linear(self.ctx, "binary_head", config.hidden_size, 2)
+        if pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Pipeline hook: the hidden states [s(/tp), b, h] this (non-first) stage starts from."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def forward(self, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *, lm_labels: torch.Tensor | None = None,
+                gather_logits: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Run this chunk.
+
+        Args:
+            input_ids: token ids [b, s] (required on the first stage).
+            token_type_ids: segment ids [b, s]; None means all 0.
+            attention_mask: [b, s], 1 for real tokens and 0 for padding (needed on every stage); None = no padding.
+            lm_labels: MLM targets [b, s] (-100 = not masked). When given, the MLM output is the per-token
+                loss [b, s] (fp32, 0 at ignored positions) instead of logits.
+            gather_logits: return full MLM logits [b, s, vocab_size] instead of this rank's shard
+                [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
+
+        Returns:
+            Non-last stages: hidden [s(/tp), b, h]. Last stage: ``(mlm_logits_or_loss, binary_logits)`` where
+            binary_logits is [b, 2] (None without the binary head).
+        """
+        c = self.config
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("input_ids are required on the first pipeline stage")
+            b, s = input_ids.shape
+            x = self.embedding(input_ids, token_type_ids)
+        else:
+            if self.input_tensor is None:
+                raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
+            x = self.input_tensor
+            b, s = x.shape[1], x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        if s > c.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={c.max_position_embeddings}")
+        if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
+            raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
+        if attention_mask is not None:
+            if attention_mask.shape != (b, s):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [batch, seq] = "
+                                 f"[{b}, {s}]")
+            mask = attention_mask.bool()[:, None, None, :]  # [b, 1, 1, s]: padded keys are never attended
+        else:
+            # A non-None mask keeps attention bidirectional (SelfAttention is causal without one).
+            mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
+        x = self.encoder(x, None, mask, None)
+        if not self.post_process:
+            return x
+        binary = None
+        if self.binary_head is not None:
+            full = x
+            if self.ctx.sequence_parallel:
+                # The pooler runs replicated, so backward just keeps this rank's chunk (no reduce-scatter).
+                full = gather_from_sequence_parallel_region(x, self.ctx.tp_group, tensor_parallel_output_grad=False)
+            binary = self.binary_head(torch.tanh(self.pooler(full[0])))  # [b, 2]
+        weight = self.embedding.word_embeddings.weight if self.pre_process else None
+        logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
+        if lm_labels is not None:
+            loss = vocab_parallel_cross_entropy(logits.float(), lm_labels.t(), tp_group=self.ctx.tp_group,
+                                                vocab_size=c.vocab_size)
+            return loss.t(), binary  # [b, s]
+        logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
+        if gather_logits if gather_logits is not None else self.gather_logits_default:
+            logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]
+        return logits, binary
+
+
+def load_hf_bert(path: str, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> BertModel:
+    """A single-process BertModel from a Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` directory.
+
+    ``model(input_ids, token_type_ids=None, attention_mask=None)`` returns ``(mlm_logits [b, s, vocab],
+    binary_logits [b, 2] | None)``, comparable with Hugging Face's ``prediction_logits`` /
+    ``seq_relationship_logits``.
+
+    Raises:
+        FileNotFoundError: no config.json or safetensors weights.
+        ValueError: unsupported architecture or mismatched tensors.
+    """
+    from mg_models.hf.bert import read_hf_bert
+
+    config, state = read_hf_bert(path)
+    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
+    model = BertModel(config, grid, dtype=dtype)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"{path}: checkpoint does not match the model: missing {result.missing_keys[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    model.gather_logits_default = True
+    return model.eval()

@@ -1,0 +1,490 @@
+"""T5Model: an encoder-decoder transformer (T5 v1.0 / v1.1) on mg-parallel layers.
+
+* Pre-norm layers with T5's RMSNorm (no bias, no mean subtraction); ReLU (v1.0) or gated-GeLU
+  (v1.1) MLP; no biases anywhere; attention scores are *not* scaled by 1/sqrt(d) (T5 folds that
+  into the query init).
+* A bucketed relative position bias (bidirectional in the encoder, causal in the decoder) is held
+  by the first layer of each stack and shared by all its layers; cross-attention has none.
+* Tied head: the decoder output is scaled by ``hidden_size ** -0.5`` before the shared embedding
+  (``scale_decoder_output``, T5 v1.0); untied head: a separate ``output_layer.weight`` (v1.1).
+* Heads, MLP width and vocabulary are split over tensor-parallel ranks; the relative bias table
+  is replicated (each rank reads its heads' columns, so its grads are partial sums over tp and are
+  tagged ``sequence_parallel`` for the tp all-reduce). Pipeline and sequence parallelism are not
+  supported for T5.
+* :class:`T5DecoderCache` keeps decoder self-attention keys/values and the cross-attention
+  keys/values of the encoder output for incremental decoding (:func:`greedy_generate`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mg_models.init import normal_init
+from mg_models.layers import RMSNorm
+from mg_models.spec import BuildContext
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["T5_PRESETS", "T5Config", "T5DecoderCache", "T5Model", "get_t5_config", "greedy_generate", "load_hf_t5",
+           "relative_position_bucket"]
+
+WORD_EMBEDDING = "word_embeddings.weight"
+
+
+@dataclass(kw_only=True)
+class T5Config:
+    """Architecture of a T5 encoder-decoder."""
+
+    num_layers: int
+    """Encoder layers."""
+    hidden_size: int
+    """Width of the residual stream (T5's d_model)."""
+    num_attention_heads: int
+    kv_channels: int
+    """Per-head dimension (T5's d_kv; heads * kv_channels need not equal hidden_size)."""
+    ffn_hidden_size: int
+    """MLP inner width (T5's d_ff)."""
+    vocab_size: int
+    """Tokenizer vocabulary (unpadded)."""
+    num_decoder_layers: int | None = None
+    """Decoder layers; None means num_layers."""
+    activation: str = "relu"
+    """"relu" (T5 v1.0) or "gated-gelu" (v1.1: gelu_tanh(wi_0 x) * wi_1 x)."""
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
+    """Dropout on the embedding, every residual branch, the attention probabilities and the final norms."""
+    tie_word_embeddings: bool = True
+    """The output head is the shared word embedding."""
+    scale_decoder_output: bool | None = None
+    """Scale the decoder output by hidden_size**-0.5 before the head; None follows tie_word_embeddings."""
+    init_factor: float = 1.0
+    """Multiplier of T5's fan-in based init stds."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this; tp must divide the padded size."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
+                     "vocab_size", "relative_attention_num_buckets", "relative_attention_max_distance",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.num_decoder_layers is not None and (not isinstance(self.num_decoder_layers, int)
+                                                    or self.num_decoder_layers < 1):
+            raise ValueError(f"model.num_decoder_layers must be a positive integer or None, got "
+                             f"{self.num_decoder_layers!r}")
+        if self.activation not in ("relu", "gated-gelu"):
+            raise ValueError(f"model.activation={self.activation!r}; use 'relu' (T5 v1.0) or 'gated-gelu' (v1.1)")
+        if self.relative_attention_num_buckets < 4 or self.relative_attention_num_buckets % 2:
+            raise ValueError(f"model.relative_attention_num_buckets={self.relative_attention_num_buckets} must be an "
+                             f"even number >= 4")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.norm_eps <= 0 or self.init_factor <= 0:
+            raise ValueError("model.norm_eps and model.init_factor must be positive")
+
+    @property
+    def decoder_layers(self) -> int:
+        """Number of decoder layers."""
+        return self.num_decoder_layers or self.num_layers
+
+    @property
+    def scale_output(self) -> bool:
+        """Whether the decoder output is scaled by hidden_size**-0.5 before the head."""
+        return self.tie_word_embeddings if self.scale_decoder_output is None else self.scale_decoder_output
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp)."""
+        m = self.make_vocab_size_divisible_by
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> T5Config:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown T5 config keys {unknown}; valid keys are {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+
+def _t5(layers: int, hidden: int, heads: int, ffn: int, **kw: Any) -> dict[str, Any]:
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, kv_channels=64, ffn_hidden_size=ffn,
+                vocab_size=32128, **kw)
+
+
+T5_PRESETS: dict[str, dict[str, Any]] = {
+    "t5-small": _t5(6, 512, 8, 2048),
+    "t5-base": _t5(12, 768, 12, 3072),
+    "t5-v1_1-small": _t5(8, 512, 6, 1024, activation="gated-gelu", tie_word_embeddings=False),
+    "tiny-t5": dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, ffn_hidden_size=128,
+                    vocab_size=512),
+}
+"""T5 shapes by name (fields of :class:`T5Config`)."""
+
+
+def get_t5_config(name: str, **overrides: Any) -> T5Config:
+    """The T5 preset ``name`` with ``overrides`` applied.
+
+    Raises:
+        ValueError: unknown preset (lists the valid ones) or an invalid override.
+    """
+    if name not in T5_PRESETS:
+        raise ValueError(f"unknown T5 preset {name!r}; choose one of {sorted(T5_PRESETS)}")
+    return T5Config(**{**T5_PRESETS[name], **overrides})
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of each (key - query) offset: exact buckets for small offsets, log-spaced ones up to
+    ``max_distance``; bidirectional uses half the buckets per direction, causal only looks back."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    # clamp(min=1) only avoids log(0); those positions take the exact branch anyway.
+    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < max_exact, distance, large)
+
+
+class T5DecoderCache:
+    """Decoder keys/values for incremental decoding: per layer self-attention [b, heads/tp, t, d] (grown) and
+    cross-attention [b, heads/tp, s_enc, d] (computed once). ``offset`` counts decoded positions."""
+
+    def __init__(self) -> None:
+        self.self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.offset = 0
+
+
+class T5Attention(nn.Module):
+    """Unscaled multi-head attention (self or cross): q/k/v column-parallel (no bias), output row-parallel.
+
+    ``forward(x [s, b, h], kv_input [s_k, b, h] | None, bias [b|1, heads/tp, s, s_k]) -> [s, b, h]``.
+    """
+
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        c = ctx.config
+        self.ctx = ctx
+        self.heads = c.num_attention_heads // ctx.tp_size
+        self.head_dim = c.kv_channels
+        inner = c.num_attention_heads * c.kv_channels
+        f = c.init_factor
+        common = dict(tp_group=ctx.tp_group, bias=False, dtype=ctx.dtype, device=ctx.device)
+        stds = {"linear_q": f * (c.hidden_size * c.kv_channels) ** -0.5, "linear_k": f * c.hidden_size ** -0.5,
+                "linear_v": f * c.hidden_size ** -0.5}
+        for name, std in stds.items():
+            setattr(self, name, ColumnParallelLinear(c.hidden_size, inner, gather_output=False,
+                                                     init_method=normal_init(ctx.seed, f"{prefix}.{name}.weight", std),
+                                                     **common))
+        self.linear_proj = RowParallelLinear(inner, c.hidden_size, input_is_parallel=True, init_method=normal_init(
+            ctx.seed, f"{prefix}.linear_proj.weight", f * inner ** -0.5), **common)
+        self.dropout = c.dropout
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        s, b = t.shape[:2]
+        return t.view(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+
+    def forward(self, x: torch.Tensor, kv_input: torch.Tensor | None, bias: torch.Tensor,
+                cache: T5DecoderCache | None = None, layer: int = 0) -> torch.Tensor:
+        s, b = x.shape[:2]
+        q = self._heads(self.linear_q(x))
+        if kv_input is None:  # self-attention
+            k, v = self._heads(self.linear_k(x)), self._heads(self.linear_v(x))
+            if cache is not None:
+                if layer in cache.self_kv:
+                    past_k, past_v = cache.self_kv[layer]
+                    k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+                cache.self_kv[layer] = (k, v)
+        elif cache is not None and layer in cache.cross_kv:
+            k, v = cache.cross_kv[layer]
+        else:
+            k, v = self._heads(self.linear_k(kv_input)), self._heads(self.linear_v(kv_input))
+            if cache is not None:
+                cache.cross_kv[layer] = (k, v)
+        dropout = self.dropout if self.training else 0.0
+        with self.ctx.tp_rng() if dropout > 0 else _nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=1.0)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+
+
+def _nullcontext() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+class T5MLP(nn.Module):
+    """``linear_fc2(relu(linear_fc1 x))`` or ``linear_fc2(gelu_tanh(linear_gate x) * linear_fc1 x)``; no biases."""
+
+    def __init__(self, ctx: BuildContext, prefix: str) -> None:
+        super().__init__()
+        c = ctx.config
+        self.gated = c.activation == "gated-gelu"
+        common = dict(tp_group=ctx.tp_group, bias=False, dtype=ctx.dtype, device=ctx.device)
+        std_in = c.init_factor * c.hidden_size ** -0.5
+        for name in (["linear_gate", "linear_fc1"] if self.gated else ["linear_fc1"]):
+            setattr(self, name, ColumnParallelLinear(c.hidden_size, c.ffn_hidden_size, gather_output=False,
+                                                     init_method=normal_init(ctx.seed, f"{prefix}.{name}.weight",
+                                                                             std_in), **common))
+        self.linear_fc2 = RowParallelLinear(c.ffn_hidden_size, c.hidden_size, input_is_parallel=True, init_method=(
+            normal_init(ctx.seed, f"{prefix}.linear_fc2.weight", c.init_factor * c.ffn_hidden_size ** -0.5)), **common)
+        self.ctx, self.dropout = ctx, c.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]."""
+        if self.gated:
+            h = F.gelu(self.linear_gate(x), approximate="tanh") * self.linear_fc1(x)
+        else:
+            h = F.relu(self.linear_fc1(x))
+        if self.training and self.dropout > 0:
+            with self.ctx.tp_rng():  # h is split over tp ranks: per-rank dropout stream
+                h = F.dropout(h, self.dropout, training=True)
+        return self.linear_fc2(h)
+
+
+class T5Layer(nn.Module):
+    """One pre-norm T5 layer: self-attention, (decoder) cross-attention, MLP, each ``x + drop(f(norm(x)))``."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, layer_number: int, decoder: bool) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.dropout = ctx.config.dropout
+        self.input_layernorm = RMSNorm(ctx, f"{prefix}.input_layernorm")
+        self.self_attention = T5Attention(ctx, f"{prefix}.self_attention")
+        self.pre_cross_attn_layernorm = self.cross_attention = None
+        if decoder:
+            self.pre_cross_attn_layernorm = RMSNorm(ctx, f"{prefix}.pre_cross_attn_layernorm")
+            self.cross_attention = T5Attention(ctx, f"{prefix}.cross_attention")
+        self.pre_mlp_layernorm = RMSNorm(ctx, f"{prefix}.pre_mlp_layernorm")
+        self.mlp = T5MLP(ctx, f"{prefix}.mlp")
+
+    def _add(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + (F.dropout(branch, self.dropout, training=True) if self.training and self.dropout else branch)
+
+    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, memory: torch.Tensor | None = None,
+                cross_bias: torch.Tensor | None = None, cache: T5DecoderCache | None = None) -> torch.Tensor:
+        """x [s, b, h]; memory: encoder output [s_enc, b, h] (decoder layers only)."""
+        n = self.layer_number
+        x = self._add(self.self_attention(self.input_layernorm(x), None, self_bias, cache, n), x)
+        if self.cross_attention is not None:
+            x = self._add(self.cross_attention(self.pre_cross_attn_layernorm(x), memory, cross_bias, cache, n), x)
+        return self._add(self.mlp(self.pre_mlp_layernorm(x)), x)
+
+
+class T5Stack(nn.Module):
+    """Encoder or decoder stack with its relative position bias table ``relative_attention_bias`` [buckets, heads]
+    (replicated; shared by all layers) and ``final_layernorm``."""
+
+    def __init__(self, ctx: BuildContext, prefix: str, decoder: bool) -> None:
+        super().__init__()
+        c = ctx.config
+        self.ctx, self.decoder = ctx, decoder
+        n = c.decoder_layers if decoder else c.num_layers
+        self.relative_attention_bias = nn.Embedding(c.relative_attention_num_buckets, c.num_attention_heads,
+                                                    dtype=ctx.dtype, device=ctx.device)
+        normal_init(ctx.seed, f"{prefix}.relative_attention_bias.weight", c.init_factor * c.hidden_size ** -0.5)(
+            self.relative_attention_bias.weight)
+        # Each tp rank reads only its heads' columns: grads are partial over tp (all-reduced like SP params).
+        ctx.mark_partial_grads(self.relative_attention_bias, ctx.tp_size > 1)
+        self.layers = nn.ModuleList([T5Layer(ctx, f"{prefix}.layers.{i}", i, decoder) for i in range(n)])
+        self.final_layernorm = RMSNorm(ctx, f"{prefix}.final_layernorm")
+        self.dropout = c.dropout
+
+    def position_bias(self, q_len: int, k_len: int, offset: int, device: torch.device) -> torch.Tensor:
+        """Relative position bias of this rank's heads: [1, heads/tp, q_len, k_len] (queries at offset..)."""
+        c = self.ctx.config
+        rel = torch.arange(k_len, device=device)[None, :] - torch.arange(offset, offset + q_len, device=device)[:, None]
+        buckets = relative_position_bucket(rel, not self.decoder, c.relative_attention_num_buckets,
+                                           c.relative_attention_max_distance)
+        heads = c.num_attention_heads // self.ctx.tp_size
+        table = self.relative_attention_bias.weight[:, self.ctx.tp_rank * heads:(self.ctx.tp_rank + 1) * heads]
+        return F.embedding(buckets, table).permute(2, 0, 1)[None]  # [1, heads, q, k]
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, memory: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None, cache: T5DecoderCache | None = None) -> torch.Tensor:
+        """x: embedded [s, b, h]; key_mask [b, k_len] (1 = token); memory/memory_mask: encoder output and its mask."""
+        s = x.shape[0]
+        offset = cache.offset if cache is not None else 0
+        k_len = offset + s
+        bias = self.position_bias(s, k_len, offset, x.device)
+        neg = torch.finfo(bias.dtype).min
+        if self.decoder:
+            causal = torch.arange(k_len, device=x.device)[None, :] > torch.arange(offset, k_len, device=x.device)[:, None]
+            bias = bias.masked_fill(causal, neg)
+        if key_mask is not None:
+            bias = bias + (1.0 - key_mask[:, None, None, :].to(bias.dtype)) * neg
+        cross = None
+        if memory is not None:
+            cross = torch.zeros(1, 1, 1, memory.shape[0], dtype=bias.dtype, device=x.device)
+            if memory_mask is not None:
+                cross = (1.0 - memory_mask[:, None, None, :].to(bias.dtype)) * neg
+        x = self._drop(x)
+        for layer in self.layers:
+            x = layer(x, bias, memory, cross, cache)
+        return self._drop(self.final_layernorm(x))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
+
+
+class T5Model(nn.Module):
+    """T5 encoder-decoder on mg-parallel layers (see module docstring).
+
+    Args:
+        config: the architecture.
+        grid: the process grid (``ProcessGrid.single()`` when None); tp only (pp must be 1).
+        seed: initialisation seed.
+        rng_tracker: mg_parallel ``RNGTracker`` for attention dropout on tp-sharded heads.
+        dtype: parameter dtype (fp32 when None).
+
+    Raises:
+        ValueError: pp > 1, or tp does not divide the heads / MLP width / padded vocabulary (names the field).
+    """
+
+    def __init__(self, config: T5Config, grid: ProcessGrid | None = None, *, seed: int = 1234,
+                 rng_tracker: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, T5Config):
+            raise ValueError(f"T5Model needs a T5Config, got {type(config).__name__}")
+        grid = grid or ProcessGrid.single()
+        if grid.pp_size > 1:
+            raise ValueError(f"pipeline parallelism (pp>1) is not supported for T5 (parallel.pp={grid.pp_size}); "
+                             f"use tensor and data parallelism (pp=1)")
+        tp = grid.tp_size
+        for what, value in (("model.num_attention_heads", config.num_attention_heads),
+                            ("model.ffn_hidden_size", config.ffn_hidden_size),
+                            ("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size)):
+            if value % tp:
+                raise ValueError(f"{what}={value} is not divisible by parallel.tp={tp}; choose a tp that divides it")
+        self.config, self.grid = config, grid
+        self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=tp, tp_rank=grid.tp_rank, seed=seed,
+                                rng_tracker=rng_tracker, device=grid.device, dtype=dtype)
+        self.gather_logits_default = False
+        """When True, forward returns full unpadded logits unless told otherwise (set by load_hf_t5)."""
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=grid.tp_group,
+            init_method=normal_init(seed, WORD_EMBEDDING, config.init_factor), dtype=dtype, device=grid.device)
+        self.encoder = T5Stack(self.ctx, "encoder", decoder=False)
+        self.decoder = T5Stack(self.ctx, "decoder", decoder=True)
+        self.output_layer = None
+        if not config.tie_word_embeddings:
+            self.output_layer = VocabParallelEmbedding(  # only its weight [V_pad/tp, h] is used, as the head
+                config.padded_vocab_size, config.hidden_size, tp_group=grid.tp_group, init_method=normal_init(
+                    seed, "output_layer.weight", config.init_factor * config.hidden_size ** -0.5),
+                dtype=dtype, device=grid.device)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(ids.t())  # [s, b, h]
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder output [s, b, h] for ids [b, s] (``attention_mask`` [b, s]: 1 = token, 0 = padding)."""
+        return self.encoder(self._embed(input_ids), attention_mask)
+
+    def decode(self, decoder_input_ids: torch.Tensor, encoder_output: torch.Tensor,
+               attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None, *,
+               labels: torch.Tensor | None = None, gather_logits: bool | None = None,
+               cache: T5DecoderCache | None = None) -> torch.Tensor:
+        """Decoder logits [b, t, V_pad/tp] (or [b, t, vocab] gathered), or the per-token loss [b, t] with ``labels``.
+
+        With ``cache`` only the new decoder tokens are passed; earlier ones come from the cache.
+        """
+        c = self.config
+        if cache is not None and decoder_attention_mask is not None:
+            raise ValueError("decoder_attention_mask is not supported with a cache; decoding is left-aligned")
+        x = self.decoder(self._embed(decoder_input_ids), decoder_attention_mask, encoder_output, attention_mask, cache)
+        if cache is not None:
+            cache.offset += decoder_input_ids.shape[1]
+        if c.scale_output:
+            x = x * c.hidden_size ** -0.5
+        weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        logits = F.linear(copy_to_tp_region(x, self.ctx.tp_group), weight)  # [t, b, V_pad/tp]
+        if labels is not None:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels.t(), tp_group=self.ctx.tp_group,
+                                                vocab_size=c.vocab_size)
+            return loss.t()
+        logits = logits.transpose(0, 1)
+        if gather_logits if gather_logits is not None else self.gather_logits_default:
+            logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None, *,
+                labels: torch.Tensor | None = None,
+                gather_logits: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode ``input_ids`` [b, s] and decode ``decoder_input_ids`` [b, t] (teacher forcing).
+
+        Returns:
+            ``(logits_or_loss, encoder_output)``: decoder logits [b, t, V_pad/tp] ([b, t, vocab] when gathered)
+            or, with ``labels`` [b, t] (-100 = ignore), the per-token loss [b, t] (fp32); encoder output [s, b, h].
+        """
+        memory = self.encode(input_ids, attention_mask)
+        out = self.decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask, labels=labels,
+                          gather_logits=gather_logits)
+        return out, memory
+
+
+@torch.no_grad()
+def greedy_generate(model: T5Model, input_ids: torch.Tensor, max_new_tokens: int, *, decoder_start_token_id: int = 0,
+                    attention_mask: torch.Tensor | None = None, use_cache: bool = True) -> torch.Tensor:
+    """Greedy decoding: [b, s] source ids -> [b, 1 + max_new_tokens] decoder ids (starting with the start token).
+
+    ``use_cache=False`` recomputes the whole decoder prefix every step (the reference for the cache).
+    """
+    memory = model.encode(input_ids, attention_mask)
+    out = torch.full((input_ids.shape[0], 1), decoder_start_token_id, dtype=torch.long, device=input_ids.device)
+    cache = T5DecoderCache() if use_cache else None
+    for _ in range(max_new_tokens):
+        step_ids = out[:, -1:] if use_cache else out
+        logits = model.decode(step_ids, memory, attention_mask, gather_logits=True, cache=cache)
+        out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+def load_hf_t5(path: str, *, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> T5Model:
+    """A single-process T5Model from a Hugging Face ``T5ForConditionalGeneration`` directory.
+
+    ``model(input_ids, decoder_input_ids=..., attention_mask=None)`` returns ``(logits [b, t, vocab],
+    encoder_output)``, comparable with Hugging Face's ``logits``.
+
+    Raises:
+        FileNotFoundError: no config.json or safetensors weights.
+        ValueError: unsupported architecture or mismatched tensors.
+    """
+    from mg_models.hf.t5 import read_hf_t5
+
+    config, state = read_hf_t5(path)
+    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
+    model = T5Model(config, grid, dtype=dtype)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"{path}: checkpoint does not match the model: missing {result.missing_keys[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    model.gather_logits_default = True
+    return model.eval()
