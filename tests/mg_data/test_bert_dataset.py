@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pickle
 
 import numpy as np
@@ -19,6 +18,7 @@ from mg_data.blended import BlendedDataset
 from mg_data.gpt_indices import parse_split, split_ranges
 from mg_data.indexed import IndexedDataset, IndexedDatasetBuilder
 from mg_data.masking import mask_tokens
+from mg_data.preprocess import PreprocessConfig, run_preprocess
 from mg_data.tokenizers import build_tokenizer, train_sentencepiece
 
 CLS, SEP, MASK, PAD = 0, 1, 2, 3
@@ -214,13 +214,10 @@ def test_whole_word_masking_with_sentencepiece(corpus, sp_with_specials, tmp_pat
     sp = tok.sp
     cls, sep = sp.piece_to_id("<cls>"), sp.piece_to_id("<sep>")
     assert tok.mask is not None and tok.pad == 3 and len({cls, sep, tok.mask, tok.pad}) == 4
-    with IndexedDatasetBuilder(tmp_path / "w", np.uint16) as b, open(corpus) as f:
-        for line in list(f)[:300]:
-            sents = [tok.encode(x) for x in json.loads(line)["text"].split("\n") if x.strip()]
-            sents = [x for x in sents if x]
-            if sents:
-                b.add_document(np.concatenate(sents), sentence_lengths=[len(x) for x in sents])
-    ds = IndexedDataset(tmp_path / "w")
+    summary = run_preprocess(PreprocessConfig(input=[str(corpus)], output_prefix=str(tmp_path / "w"),
+                                              tokenizer_model=tok.model_path, split_sentences=True, workers=1))
+    ds = IndexedDataset(summary.outputs["text"])
+    assert summary.outputs["text"].endswith("_sentence") and len(ds) > 2 * ds.num_documents
 
     def partial_words(whole_word):
         cfg = BertDatasetConfig(max_seq_length=128, vocab_size=tok.vocab_size, cls_id=cls, sep_id=sep,

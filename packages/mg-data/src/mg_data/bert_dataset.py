@@ -58,7 +58,7 @@ class BertDatasetConfig:
     is_word_start: Callable[[int], bool] | None = None
     """Whole-word masking when set: False for ids continuing the previous word (SentencePiece:
     pieces not starting with "▁"). Evaluated once over the vocabulary here."""
-    word_starts: np.ndarray | None = field(default=None, repr=False)
+    word_starts: np.ndarray | None = field(default=None, repr=False, compare=False)
     """Bool table over ids computed from ``is_word_start`` (or given directly instead of it)."""
 
     def __post_init__(self) -> None:
