@@ -173,6 +173,9 @@ def test_no_sample_crosses_splits_and_blending(tmp_path):
             assert set(a.tolist()) | set(b.tolist()) <= allowed
     again = build_bert_datasets(cfg, [str(tmp_path / "s")])
     assert not again[0].built_index and again[0].samples.tolist() == splits[0].samples.tolist()
+    blob = pickle.dumps(splits[0])  # with a cache, workers re-map the index file instead of copying it
+    assert len(blob) < splits[0].samples.nbytes
+    np.testing.assert_array_equal(pickle.loads(blob)[3]["text"], splits[0][3]["text"])
     blend = build_bert_datasets(cfg, ["0.7", str(tmp_path / "s"), "0.3", str(tmp_path / "t")], num_samples=(300, 20, 20))
     assert isinstance(blend[0], BlendedDataset) and len(blend[0]) == 300
     ids = np.array([int(blend[0][i]["dataset_id"]) for i in range(300)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,9 @@ def test_splits_never_cross_and_each_token_once_per_epoch(tmp_path):
         assert len(seen) > 0.8 * len(allowed)
     again = build_t5_datasets(cfg, [str(tmp_path / "c")])
     assert not again[0].built_index
+    blob = pickle.dumps(splits[0])  # with a cache, workers re-map the index files instead of copying them
+    assert len(blob) < splits[0].sample_index.nbytes
+    np.testing.assert_array_equal(pickle.loads(blob)[3]["text_enc"], splits[0][3]["text_enc"])
     corpus(tmp_path / "d", seed=1)
     blend = build_t5_datasets(cfg, ["0.5", str(tmp_path / "c"), "0.5", str(tmp_path / "d")], num_samples=(100, 10, 10))
     assert isinstance(blend[0], BlendedDataset) and len(blend[0]) == 100

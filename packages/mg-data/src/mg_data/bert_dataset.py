@@ -216,8 +216,21 @@ class BertDataset:
              "max_seq_length": config.max_seq_length, "seed": config.seed})
         self.samples = np.asarray(arrays["samples"])
         self.cache_key = key
+        self._cache_base = os.path.join(config.cache_dir, f"{stem}-{key}") if config.cache_dir else None
         if config.sentence_task == "nsp" and d1 - d0 < 2:
             raise ValueError(f"{indexed.prefix} ({name} split): sentence_task='nsp' needs at least two documents")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # With a cache, pickle the path rather than the array (spawned DataLoader workers re-map it).
+        state = self.__dict__.copy()
+        if self._cache_base is not None:
+            state["samples"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._cache_base is not None:
+            self.samples = np.asarray(np.load(f"{self._cache_base}-samples.npy", mmap_mode="r"))
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from mg_data.indexed import IndexedDataset
 from mg_data.masking import IGNORE_INDEX, random_spans_helper, span_corrupt
 
 _INDEX_VERSION = 1
+_ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
 
 @dataclass(kw_only=True)
@@ -140,13 +142,28 @@ class T5Dataset:
                 raise ValueError(f"{indexed.prefix} ({name} split, documents {d0}..{d1}): {e}") from None
 
         arrays, self.built_index = cached_arrays(
-            config.cache_dir, stem, key, ("document_index", "sample_index", "shuffle_index"), build,
+            config.cache_dir, stem, key, _ARRAYS, build,
             {"prefix": indexed.prefix, "split": name, "documents": [d0, d1], "num_samples": num_samples,
              "raw_length": config.raw_length, "seed": config.seed})
         self.document_index = np.asarray(arrays["document_index"])
         self.sample_index = np.asarray(arrays["sample_index"])
         self.shuffle_index = np.asarray(arrays["shuffle_index"])
         self.cache_key = key
+        self._cache_base = os.path.join(config.cache_dir, f"{stem}-{key}") if config.cache_dir else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # With a cache, pickle paths rather than arrays (spawned DataLoader workers re-map the files).
+        state = self.__dict__.copy()
+        if self._cache_base is not None:
+            for n in _ARRAYS:
+                state[n] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._cache_base is not None:
+            for n in _ARRAYS:
+                setattr(self, n, np.asarray(np.load(f"{self._cache_base}-{n}.npy", mmap_mode="r")))
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
