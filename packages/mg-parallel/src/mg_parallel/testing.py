@@ -17,7 +17,8 @@ Failures are bounded and named:
   :class:`RankTimeout` with each hung rank's Python stack.
 
 ``fn`` must be picklable: a module-level function of an importable module (test modules in a
-package with ``__init__.py`` qualify). Results should be CPU tensors or plain Python objects;
+package with ``__init__.py`` qualify). Workers are started with ``spawn``, so a script calling
+``run_distributed`` needs the usual ``if __name__ == "__main__":`` guard. Results should be CPU tensors or plain Python objects;
 CUDA tensors are moved to the CPU before they are sent back.
 """
 
