@@ -22,7 +22,9 @@ class TorchDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.dataset[idx].items()}
+        # 0-d values (e.g. BERT's is_random) stay 0-d, so a batch of them is (B,), not (B, 1).
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) if np.ndim(v) else torch.as_tensor(np.asarray(v))
+                for k, v in self.dataset[idx].items()}
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

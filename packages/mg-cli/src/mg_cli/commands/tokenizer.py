@@ -19,8 +19,12 @@ def tokenizer() -> None:
 @click.option("--byte-fallback/--no-byte-fallback", default=True, help="Encode unknown characters as bytes.")
 @click.option("--max-lines", type=int, default=1_000_000, help="Lines sampled for training.")
 @click.option("--threads", type=int, default=2)
+@click.option("--user-defined-symbols", default="",
+              help="Comma-separated extra symbols with their own ids, e.g. <cls>,<sep>,<mask> for BERT or "
+                   "<extra_id_0>,... for T5 sentinels.")
+@click.option("--pad-id", type=int, default=-1, help="Id of a padding piece (-1: none).")
 def train(inputs: tuple[str, ...], output_prefix: str, vocab_size: int, model_type: str, json_keys: str,
-          byte_fallback: bool, max_lines: int, threads: int) -> None:
+          byte_fallback: bool, max_lines: int, threads: int, user_defined_symbols: str, pad_id: int) -> None:
     """Train a SentencePiece model (ids: unk 0, bos 1, eos 2 = end of document).
 
     \b
@@ -33,7 +37,8 @@ def train(inputs: tuple[str, ...], output_prefix: str, vocab_size: int, model_ty
         path = train_sentencepiece(
             list(inputs), output_prefix, vocab_size=vocab_size, model_type=model_type,
             json_keys=[k.strip() for k in json_keys.split(",") if k.strip()], byte_fallback=byte_fallback,
-            input_sentence_size=max_lines, num_threads=threads,
+            input_sentence_size=max_lines, num_threads=threads, pad_id=pad_id,
+            user_defined_symbols=[x.strip() for x in user_defined_symbols.split(",") if x.strip()],
         )
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None
