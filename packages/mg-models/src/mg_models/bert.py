@@ -28,7 +28,7 @@ from mg_models.config import GPTConfig, check_parallel
 from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
 from mg_models.init import normal_init
 from mg_models.layers import MLP, LayerNorm, SelfAttention
-from mg_models.spec import BuildContext, ModuleSpec, build_module
+from mg_models.spec import BuildContext, ModuleSpec
 from mg_models.transformer import TransformerBlock, gpt_layer_spec
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (

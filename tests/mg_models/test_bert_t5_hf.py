@@ -1,0 +1,183 @@
+"""BERT and T5 parity with Hugging Face (fp32, CPU), export round trips and T5 KV-cache decoding.
+
+Randomly initialised Hugging Face models (the independent reference) are saved with
+``save_pretrained`` and loaded by mg from config.json + safetensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mg_models.bert import BertConfig, load_hf_bert
+from mg_models.hf.bert import read_hf_bert, write_hf_bert
+from mg_models.hf.t5 import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
+from mg_models.t5 import T5Config, T5Model, get_t5_config, greedy_generate, load_hf_t5
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 301  # not a multiple of 128: exercises vocabulary padding
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    # HF initialises norms to 1 and biases to 0; perturb every tensor so each mapping is actually tested.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def _bert(masked_lm: bool, type_vocab: int) -> torch.nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, max_position_embeddings=24, type_vocab_size=type_vocab,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cls = transformers.BertForMaskedLM if masked_lm else transformers.BertForPreTraining
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    _perturb(model)
+    return model
+
+
+@pytest.mark.parametrize("masked_lm,types,padding", [(False, True, True), (False, False, False), (True, True, True)])
+def test_bert_matches_hugging_face_and_round_trips(tmp_path, masked_lm, types, padding):
+    hf = _bert(masked_lm, 2)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_hf_bert(str(tmp_path / "hf"))
+    assert model.config.add_binary_head == (not masked_lm)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=gen)
+    token_types = torch.randint(0, 2, (3, 12), generator=gen) if types else None
+    mask = None
+    if padding:
+        mask = torch.ones(3, 12, dtype=torch.long)
+        mask[1, 7:] = 0
+        mask[2, 10:] = 0
+    with torch.no_grad():
+        ref = hf(ids, token_type_ids=token_types, attention_mask=mask)
+        logits, binary = model(ids, token_types, mask)
+    ref_logits = ref.logits if masked_lm else ref.prediction_logits
+    assert logits.shape == (3, 12, VOCAB)
+    assert (logits - ref_logits).abs().max() <= 1e-4
+    if masked_lm:
+        assert binary is None
+    else:
+        assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-4
+    # Export gives back exactly the tensors (and names) Hugging Face saved, minus tied aliases.
+    write_hf_bert(tmp_path / "out", model.state_dict(), model.config)
+    saved, exported = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(
+        str(tmp_path / "out" / "model.safetensors"))
+    saved = {k: v for k, v in saved.items() if not k.startswith("cls.predictions.decoder")}
+    assert set(exported) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(exported[k], v), k
+    config, state = read_hf_bert(tmp_path / "out")
+    assert config == model.config
+    for k, v in model.state_dict().items():
+        assert torch.equal(state[k], v), k
+    auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModelForPreTraining
+    reloaded = auto.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = reloaded(ids, token_type_ids=token_types, attention_mask=mask)
+    torch.testing.assert_close(again.logits if masked_lm else again.prediction_logits, ref_logits, atol=0, rtol=0)
+
+
+def test_bert_without_token_types(tmp_path):
+    hf = _bert(False, 0 + 1)
+    hf.save_pretrained(tmp_path)
+    model = load_hf_bert(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, binary = model(ids)
+        ref = hf(ids)
+    assert (logits - ref.prediction_logits).abs().max() <= 1e-4
+    assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-4
+    no_types = BertConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, type_vocab_size=0)
+    from mg_models.bert import BertModel
+
+    with pytest.raises(ValueError, match="type_vocab_size=0"):
+        BertModel(no_types)(ids, torch.zeros_like(ids))
+
+
+def _t5(ff: str, tie: bool) -> torch.nn.Module:
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                num_heads=4, feed_forward_proj=ff, tie_word_embeddings=tie, dropout_rate=0.0,
+                                relative_attention_num_buckets=8, relative_attention_max_distance=12,
+                                decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    _perturb(model)
+    return model
+
+
+def _t5_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=gen)  # longer than max_distance: log-spaced buckets used
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 13:] = 0
+    return ids, mask, torch.randint(0, VOCAB, (2, 15), generator=gen)
+
+
+@pytest.mark.parametrize("ff,tie", [("relu", True), ("gated-gelu", False)])
+def test_t5_matches_hugging_face_and_round_trips(tmp_path, ff, tie):
+    hf = _t5(ff, tie)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_hf_t5(str(tmp_path / "hf"))
+    assert model.config.activation == ff and model.config.scale_output == tie
+    ids, mask, dec = _t5_batch()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        logits, memory = model(ids, decoder_input_ids=dec, attention_mask=mask)
+    assert logits.shape == (2, 15, VOCAB) and memory.shape == (20, 2, 32)
+    assert (logits - ref).abs().max() <= 1e-4
+    write_hf_t5(tmp_path / "out", model.state_dict(), model.config)
+    saved, exported = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(
+        str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(exported[k], v), k
+    config, state = read_hf_t5(tmp_path / "out")
+    assert config == model.config
+    for k, v in model.state_dict().items():
+        assert torch.equal(state[k], v), k
+    # Greedy decoding with the KV cache equals full recomputation (mg's and Hugging Face's).
+    cached = greedy_generate(model, ids, 6, attention_mask=mask)
+    assert torch.equal(cached, greedy_generate(model, ids, 6, attention_mask=mask, use_cache=False))
+    ref_gen = torch.zeros(2, 1, dtype=torch.long)  # Hugging Face greedy by full recomputation
+    with torch.no_grad():
+        for _ in range(6):
+            step = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=ref_gen).logits[:, -1]
+            ref_gen = torch.cat([ref_gen, step.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ref_gen)
+
+
+def test_t5_untied_head_state_dict(tmp_path):
+    """A separate lm_head (as T5 v1.1 checkpoints hold) maps onto output_layer.weight without scaling."""
+    hf = _t5("gated-gelu", False)
+    hf.lm_head.weight = torch.nn.Parameter(hf.shared.weight.detach() * 0.5 + 0.01)
+    hf_state = hf.state_dict()
+    config = config_from_hf(hf.config.to_dict(), has_lm_head=True)
+    assert not config.tie_word_embeddings and not config.scale_output
+    model = T5Model(config)
+    model.load_state_dict(state_from_hf(hf_state, config))
+    ids, mask, dec = _t5_batch()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        logits, _ = model(ids, dec, mask, gather_logits=True)
+    assert (logits - ref).abs().max() <= 1e-4
+    back = state_to_hf(model.state_dict(), config)
+    assert torch.equal(back["lm_head.weight"], hf.lm_head.weight)
+
+
+def test_t5_bad_configs_name_the_fields():
+    base = get_t5_config("tiny-t5")
+    with pytest.raises(ValueError, match="model.activation='gelu'"):
+        T5Config(**{**base.to_dict(), "activation": "gelu"})
+    with pytest.raises(ValueError, match="model.kv_channels"):
+        T5Config(**{**base.to_dict(), "kv_channels": 0})
+    with pytest.raises(ValueError, match="relative_attention_num_buckets"):
+        T5Config(**{**base.to_dict(), "relative_attention_num_buckets": 7})
+    with pytest.raises(ValueError, match="unknown T5 preset"):
+        get_t5_config("t5-huge")
+    with pytest.raises(ValueError, match="feed_forward_proj"):
+        config_from_hf({**transformers.T5Config().to_dict(), "feed_forward_proj": "gated-silu"})
