@@ -393,14 +393,18 @@ def _clean_stale(save_dir: str) -> None:
 def _retain(save_dir: str, just_saved: int, keep_last: int) -> None:
     others = [it for it in list_checkpoints(save_dir) if it != just_saved]
     doomed = others[: max(0, len(others) - (keep_last - 1))]
+    trash = []
     for it in doomed:
         path = checkpoint_dir(save_dir, it)
-        # Rename first so that a crash mid-deletion never leaves a half-deleted iter_N that looks valid.
-        trash = os.path.join(save_dir, f".trash_{os.path.basename(path)}")
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        # Rename first so that a crash mid-deletion never leaves a half-deleted iter_N that looks
+        # valid; the deletion itself runs in the background (leftovers are removed by the next save).
+        trash.append(os.path.join(save_dir, f".trash_{os.path.basename(path)}"))
+        os.rename(path, trash[-1])
     if doomed:
         fsync_dir(save_dir)
+        threading.Thread(
+            target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash], name="mg-ckpt-retention", daemon=True
+        ).start()
 
 
 def state_bytes(state: Mapping[str, torch.Tensor | ShardedTensor]) -> int:
