@@ -288,16 +288,16 @@ class BertModel(nn.Module):
             if input_ids is None:
                 raise ValueError("input_ids are required on the first pipeline stage")
             b, s = input_ids.shape
-            x = self.embedding(input_ids, token_type_ids)
         else:
             if self.input_tensor is None:
                 raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
-            x = self.input_tensor
-            b, s = x.shape[1], x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+            b, s = self.input_tensor.shape[1], self.input_tensor.shape[0] * (
+                self.ctx.tp_size if self.ctx.sequence_parallel else 1)
         if s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={c.max_position_embeddings}")
         if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
             raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
+        x = self.embedding(input_ids, token_type_ids) if self.pre_process else self.input_tensor
         if attention_mask is not None:
             if attention_mask.shape != (b, s):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [batch, seq] = "
