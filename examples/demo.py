@@ -1,13 +1,166 @@
-"""The end-to-end demo behind `make demo`: runs every stage that exists so far."""
+"""The end-to-end demo behind ``make demo``.
+
+1. builds a corpus from the Python standard library's own sources (real text, no download),
+2. trains a SentencePiece tokenizer on it (``mg tokenizer train``),
+3. preprocesses it into a Megatron-compatible dataset (``mg preprocess``),
+4. trains a small GPT on the CPU with 2 processes, tensor parallel (``mg train``), with periodic
+   validation and checkpoints,
+5. generates a continuation of a prompt (``mg generate``) and draws the loss curves (``mg plot``).
+
+Everything lands in ``demo/`` (or ``--workdir``). Each step prints the ``mg`` command it runs, so
+the demo doubles as a tutorial.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import shlex
 import subprocess
 import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEMO_CONFIG = """\
+# The demo run: a ~6M-parameter GPT on Python sources, 2 processes (tp=2) on a CPU.
+model:
+  type: gpt
+  num_layers: 4
+  hidden_size: 256
+  num_attention_heads: 4
+  ffn_hidden_size: 1024
+  seq_length: 128
+  position_embedding: rope
+  normalization: rmsnorm
+  activation: swiglu
+  tie_embeddings: true
+  bias: false
+parallel:
+  tp: 2
+train:
+  micro_batch_size: 8
+  global_batch_size: 16
+  iters: {iters}
+  seed: 1234
+  precision: {precision}
+optim:
+  lr: 3.0e-3
+  min_lr: 3.0e-4
+  warmup_iters: 20
+  decay_style: cosine
+  weight_decay: 0.1
+  clip_grad: 1.0
+  adam_beta2: 0.98
+data:
+  path: {data}
+  tokenizer_model: {tokenizer}
+  split: "98,2,0"
+  num_workers: 0
+eval:
+  interval: {eval_interval}
+  iters: 4
+checkpoint:
+  save: {ckpt}
+  interval: {ckpt_interval}
+  keep_last: 2
+log:
+  dir: {logdir}
+  interval: 10
+"""
+
+
+def build_corpus(out: Path, max_bytes: int) -> Path:
+    """One JSON line per standard-library source file, in sorted path order (deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    with open(out, "w") as f:
+        for path in sorted(root.rglob("*.py")):
+            if "test" in path.parts or "site-packages" in path.parts:
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if not text.strip():
+                continue
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text.encode())
+            if total >= max_bytes:
+                break
+    return out
+
+
+def run(*args: str) -> None:
+    print(f"\n$ mg {shlex.join(args)}", flush=True)
+    subprocess.run([sys.executable, "-m", "mg_cli.main", *args], check=True)
+
+
+def unigram_entropy(prefix: str) -> float:
+    """Entropy (nats/token) of the corpus's unigram distribution: the loss of a model that ignores context."""
+    from mg_data import IndexedDataset
+
+    counts = np.bincount(np.asarray(IndexedDataset(prefix).tokens, dtype=np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 def main() -> None:
-    subprocess.run([sys.executable, "-m", "mg_cli.main", "--help"], check=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="demo")
+    parser.add_argument("--iters", type=int, default=400)
+    parser.add_argument("--corpus-mb", type=float, default=8.0)
+    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    args = parser.parse_args()
+    start = time.monotonic()
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    corpus = work / "stdlib.jsonl"
+    if not corpus.exists():
+        print(f"building a corpus from {sysconfig.get_paths()['stdlib']} ...", flush=True)
+        build_corpus(corpus, int(args.corpus_mb * 1e6))
+    tok = work / "tokenizer"
+    if not (work / "tokenizer.model").exists():
+        run("tokenizer", "train", "--input", str(corpus), "--output-prefix", str(tok), "--vocab-size", "4096",
+            "--max-lines", "200000")
+    prefix = work / "stdlib_text_document"
+    if not Path(str(prefix) + ".idx").exists():
+        run("preprocess", "--input", str(corpus), "--tokenizer-model", f"{tok}.model",
+            "--output-prefix", str(work / "stdlib"), "--append-eod", "--workers", "2", "--partition-mb", "2")
+    run("inspect", str(prefix))
+
+    run_dir = work / "run"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir()
+    config = run_dir / "config.yaml"
+    config.write_text(DEMO_CONFIG.format(
+        iters=args.iters, precision=args.precision, data=prefix, tokenizer=f"{tok}.model",
+        eval_interval=max(1, args.iters // 4), ckpt_interval=max(1, args.iters // 2),
+        ckpt=run_dir / "checkpoints", logdir=run_dir / "logs"))
+    run("train", "--config", str(config), "--nproc-per-node", "2")
+
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    entropy = unigram_entropy(str(prefix))
+    run("generate", "--checkpoint", str(run_dir / "checkpoints"), "--prompt", "def read_config(path):",
+        "--max-new-tokens", "48", "--json")
+    out = subprocess.run([sys.executable, "-m", "mg_cli.main", "generate", "--checkpoint",
+                          str(run_dir / "checkpoints"), "--prompt", "def read_config(path):", "--max-new-tokens",
+                          "48"], check=True, capture_output=True, text=True).stdout
+    png = subprocess.run([sys.executable, "-m", "mg_cli.main", "plot", str(run_dir / "logs")], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    print("\n" + "=" * 72)
+    print(f"validation loss {val[-1]:.2f} nats/token (unigram entropy {entropy:.2f} nats/token), "
+          f"perplexity {math.exp(val[-1]):.1f}")
+    print("generated:")
+    print(out.rstrip())
+    print(f"loss curves: {png}")
+    print(f"checkpoints: {run_dir / 'checkpoints'}  (mg inspect {run_dir / 'checkpoints'})")
+    print(f"demo finished in {(time.monotonic() - start) / 60:.1f} min")
 
 
 if __name__ == "__main__":
