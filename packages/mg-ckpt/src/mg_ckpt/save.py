@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import shutil
 import threading
@@ -405,12 +404,3 @@ def _retain(save_dir: str, just_saved: int, keep_last: int) -> None:
         threading.Thread(
             target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash], name="mg-ckpt-retention", daemon=True
         ).start()
-
-
-def state_bytes(state: Mapping[str, torch.Tensor | ShardedTensor]) -> int:
-    """Bytes held locally by ``state`` (for logging and benchmarks)."""
-    total = 0
-    for name, v in state.items():
-        t = _describe(name, v).local
-        total += math.prod(t.shape) * t.element_size()
-    return total
