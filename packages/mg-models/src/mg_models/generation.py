@@ -117,14 +117,17 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: S
     """Generate continuations of token-id ``prompts`` with ``model`` (a single-stage GPTModel, any tp).
 
     Raises:
-        ValueError: empty prompts, a pipeline-split model, or prompt + max_new_tokens longer than the
-            model's position table.
+        ValueError: empty prompts, a pipeline-split or sequence-parallel model, or prompt + max_new_tokens
+            longer than the model's position table.
     """
     config = config or SamplingConfig()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt must hold at least one token")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("generate needs the whole model on one pipeline stage (pre_process and post_process)")
+    if getattr(getattr(model, "ctx", None), "sequence_parallel", False):
+        raise ValueError("generate needs a model built with sequence_parallel=False (decoding one token cannot be "
+                         "split along the sequence); the weights are the same, so rebuild it and load them")
     mcfg = model.config
     device = model.grid.device
     lengths = [len(p) for p in prompts]
