@@ -58,7 +58,7 @@ def train_worker(kind: str, tp: int, sp: bool, distopt: bool) -> dict[str, objec
                                                        use_distributed_optimizer=distopt))
     rows = slice(grid.dp_rank * B // grid.dp_size, (grid.dp_rank + 1) * B // grid.dp_size)
     losses, norms = [], []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         opt.zero_grad()
         loss = _loss(ddp, kind, _batch(0), rows, grid.dp_size)
         loss.backward()
@@ -77,7 +77,7 @@ def _reference(kind: str) -> dict[str, object]:
     model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         opt.zero_grad()
         loss = _loss(model, kind, _batch(0), slice(None), 1)
         loss.backward()
