@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -212,6 +213,8 @@ class T5Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_input: torch.Tensor | None, bias: torch.Tensor,
                 cache: T5DecoderCache | None = None, layer: int = 0) -> torch.Tensor:
+        """Self-attention when ``kv_input`` is None, else cross-attention to it; ``cache`` keeps keys/values of
+        decoder ``layer`` (self: appended per step; cross: computed once)."""
         s, b = x.shape[:2]
         q = self._heads(self.linear_q(x))
         if kv_input is None:  # self-attention
@@ -228,15 +231,9 @@ class T5Attention(nn.Module):
             if cache is not None:
                 cache.cross_kv[layer] = (k, v)
         dropout = self.dropout if self.training else 0.0
-        with self.ctx.tp_rng() if dropout > 0 else _nullcontext():
+        with self.ctx.tp_rng() if dropout > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=1.0)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
-
-
-def _nullcontext() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 class T5MLP(nn.Module):
