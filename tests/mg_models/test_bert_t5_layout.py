@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mg_models.bert import BertConfig, BertModel, get_bert_config
-from mg_models.t5 import T5Config, T5Model
+from mg_models.t5 import T5Config, T5Model, greedy_generate
 from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
 from mg_parallel.testing import run_distributed
 
@@ -75,7 +75,8 @@ def _collect(model: torch.nn.Module, grid) -> dict[str, dict[str, torch.Tensor]]
 
 
 def tp_worker(pre_layernorm: bool) -> dict[str, object]:
-    """On 2 ranks: BERT at tp=2 without/with sequence parallelism and as two tp=2+sp stages; T5 at tp=2."""
+    """On 2 ranks: BERT at tp=2 without/with sequence parallelism and as two tp=2+sp stages; T5 at tp=2
+    (training step and KV-cache greedy decoding)."""
     torch.set_num_threads(1)
     grid = build_grid(ParallelDims(tp=2))
     config = BertConfig(**BERT, pre_layernorm=pre_layernorm)
@@ -92,6 +93,8 @@ def tp_worker(pre_layernorm: bool) -> dict[str, object]:
     if not pre_layernorm:
         t5 = T5Model(T5Config(**T5, activation="gated-gelu", tie_word_embeddings=False), grid, seed=SEED)
         out["t5"] = {**_t5_run(t5), **_collect(t5, grid)}
+        d5 = _t5_batch()
+        out["t5 greedy"] = greedy_generate(t5.eval(), d5["ids"], 5, attention_mask=d5["mask"])
     return out
 
 
@@ -122,6 +125,10 @@ def test_tp_sequence_parallel_and_pipeline_match_single_process(pre_layernorm):
         torch.testing.assert_close(binary, ref["binary"], atol=1e-5, rtol=1e-5)
         if not pre_layernorm:
             _compare(rank_out["t5"], t5_ref, t5_ref_model, "t5")
+            # KV-cache decoding with heads split over tp picks the same tokens.
+            d5 = _t5_batch()
+            assert torch.equal(rank_out["t5 greedy"], greedy_generate(t5_ref_model.eval(), d5["ids"], 5,
+                                                                      attention_mask=d5["mask"]))
 
 
 def test_bert_pipeline_stages_equal_layers_of_full_model():
