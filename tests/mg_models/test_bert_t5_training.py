@@ -1,5 +1,6 @@
-"""Ten training steps (one fixed batch) of BERT and T5 with DDP and the mg optimizer at tp=2 + sequence parallelism and at
-dp=2 with the distributed optimizer equal single-process training with torch.optim.AdamW on the full batch."""
+"""Ten training steps (one fixed batch) of BERT and T5 with DDP and the mg optimizer at tp=2 (+ sequence parallelism
+for BERT), at dp=2 with the distributed optimizer and (BERT) as two 1F1B pipeline stages equal single-process
+training with torch.optim.AdamW on the full batch."""
 
 from __future__ import annotations
 
@@ -73,6 +74,41 @@ def train_worker(kind: str, tp: int, sp: bool, distopt: bool) -> dict[str, objec
     return {"losses": losses, "norms": norms, "params": params}
 
 
+def pipeline_worker() -> dict[str, object]:
+    """BERT as two pipeline stages (1F1B, 2 microbatches) with DDP and the mg optimizer."""
+    from mg_parallel.distributed import DistributedDataParallel
+    from mg_parallel.optimizer import OptimizerConfig, build_optimizer
+    from mg_parallel.pipeline import average_losses, get_forward_backward_func
+
+    torch.set_num_threads(1)
+    grid = build_grid(ParallelDims(pp=2))
+    stage = BertModel(BertConfig(**BERT), grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
+                      layer_range=(grid.pp_rank, grid.pp_rank + 1), seed=SEED)
+    ddp = DistributedDataParallel(stage, grid, bucket_size_mb=0.01)
+    opt = build_optimizer([ddp], grid, OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=CLIP))
+    micro, schedule = 2, get_forward_backward_func(grid)
+
+    def forward_step(rows: slice, model: torch.nn.Module):
+        d = {k: v[rows] for k, v in _batch(0).items()}
+        output = model(d["ids"], d["types"], d["mask"], lm_labels=d["labels"])
+
+        def loss_fn(out):
+            lm, binary = out
+            loss = (lm.sum() / (B * 3) + F.cross_entropy(binary, d["nsp"], reduction="sum") / B) * micro
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_fn
+
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        out = schedule(forward_step, iter([slice(0, B // micro), slice(B // micro, B)]), [ddp], micro, grid,
+                       tensor_shape=(S, B // micro, BERT["hidden_size"]), dtype=torch.float32)
+        losses.append(average_losses(out, grid))
+        norms.append(opt.step()[1])
+    return {"losses": losses, "norms": norms, "params": {n: p.detach() for n, p in stage.named_parameters()}}
+
+
 def _reference(kind: str) -> dict[str, object]:
     model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -98,3 +134,15 @@ def test_ten_steps_match_single_process_adamw():
                 torch.testing.assert_close(res["norms"], ref["norms"], atol=1e-5, rtol=1e-5, msg=what)
                 for n, p in ref["params"].items():
                     torch.testing.assert_close(res["params"][n], p.detach(), atol=5e-5, rtol=1e-4, msg=f"{what} {n}")
+        if kind == "bert":
+            stages = run_distributed(pipeline_worker, 2)
+            for res in stages:
+                torch.testing.assert_close(res["losses"], ref["losses"], atol=1e-5, rtol=1e-5, msg="bert pp=2")
+                torch.testing.assert_close(res["norms"], ref["norms"], atol=1e-5, rtol=1e-5, msg="bert pp=2")
+            held = {**stages[0]["params"], **stages[1]["params"]}
+            assert set(held) == set(ref["params"]) | {"output_layer.weight"}
+            # The last stage's copy of the tied embedding received the same updates as the first stage's.
+            torch.testing.assert_close(held.pop("output_layer.weight"), held["embedding.word_embeddings.weight"],
+                                       atol=0, rtol=0)
+            for n, p in ref["params"].items():
+                torch.testing.assert_close(held[n], p.detach(), atol=5e-5, rtol=1e-4, msg=f"bert pp=2 {n}")
