@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mg_models.bert import BertConfig, load_hf_bert
+from mg_models.bert import BertConfig, BertModel, load_hf_bert
 from mg_models.hf.bert import read_hf_bert, write_hf_bert
 from mg_models.hf.t5 import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
 from mg_models.t5 import T5Config, T5Model, get_t5_config, greedy_generate, load_hf_t5
@@ -83,7 +83,7 @@ def test_bert_matches_hugging_face_and_round_trips(tmp_path, masked_lm, types, p
 
 
 def test_bert_without_token_types(tmp_path):
-    hf = _bert(False, 0 + 1)
+    hf = _bert(False, 1)  # Hugging Face needs at least one token type
     hf.save_pretrained(tmp_path)
     model = load_hf_bert(str(tmp_path))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -93,8 +93,6 @@ def test_bert_without_token_types(tmp_path):
     assert (logits - ref.prediction_logits).abs().max() <= 1e-4
     assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-4
     no_types = BertConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, type_vocab_size=0)
-    from mg_models.bert import BertModel
-
     with pytest.raises(ValueError, match="type_vocab_size=0"):
         BertModel(no_types)(ids, torch.zeros_like(ids))
 
@@ -181,3 +179,29 @@ def test_t5_bad_configs_name_the_fields():
         get_t5_config("t5-huge")
     with pytest.raises(ValueError, match="feed_forward_proj"):
         config_from_hf({**transformers.T5Config().to_dict(), "feed_forward_proj": "gated-silu"})
+
+
+def test_hf_adapter_errors_name_the_key(tmp_path):
+    from mg_models.hf import bert as hf_bert
+
+    hf_config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=48).to_dict()
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        hf_bert.config_from_hf({**hf_config, "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="position_embedding_type='relative_key'"):
+        hf_bert.config_from_hf({**hf_config, "position_embedding_type": "relative_key"})
+    config = hf_bert.config_from_hf(hf_config)
+    state = hf_bert.state_to_hf(BertModel(config).state_dict(), config)
+    with pytest.raises(ValueError, match="missing tensor 'bert.encoder.layer.0.attention.self.key.bias'"):
+        hf_bert.state_from_hf({k: v for k, v in state.items() if not k.endswith("self.key.bias")}, config)
+    with pytest.raises(ValueError, match="does not know: \\['bert.extra'\\]"):
+        hf_bert.state_from_hf({**state, "bert.extra": torch.zeros(1)}, config)
+    with pytest.raises(ValueError, match="pre_layernorm"):
+        hf_bert.config_to_hf(BertConfig(**{**config.to_dict(), "pre_layernorm": True}))
+    (tmp_path / "config.json").write_text('{"model_type": "t5"}')
+    with pytest.raises(ValueError, match="model_type='t5', expected 'bert'"):
+        read_hf_bert(tmp_path)
+    t5_config = get_t5_config("tiny-t5")
+    t5_state = state_to_hf(T5Model(t5_config).state_dict(), t5_config)
+    with pytest.raises(ValueError, match="missing tensors \\['encoder.final_layer_norm.weight'\\]"):
+        state_from_hf({k: v for k, v in t5_state.items() if k != "encoder.final_layer_norm.weight"}, t5_config)
