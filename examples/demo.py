@@ -105,14 +105,34 @@ def unigram_entropy(prefix: str) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def fastest_precision() -> str:
+    """bf16 when its matmuls beat fp32's here (CPUs with AVX-512 BF16/AMX, GPUs), else fp32."""
+    import torch
+
+    def rate(dtype: torch.dtype) -> float:
+        a = torch.randn(512, 512).to(dtype)
+        a @ a
+        t0, reps = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.2:
+            a @ a
+            reps += 1
+        return reps / (time.perf_counter() - t0)
+
+    return "bf16" if rate(torch.bfloat16) > 1.2 * rate(torch.float32) else "fp32"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="demo")
-    parser.add_argument("--iters", type=int, default=400)
+    parser.add_argument("--iters", type=int, default=240)
     parser.add_argument("--corpus-mb", type=float, default=8.0)
-    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="auto: bf16 when this CPU/GPU multiplies bf16 faster than fp32, else fp32")
     args = parser.parse_args()
     start = time.monotonic()
+    if args.precision == "auto":
+        args.precision = fastest_precision()
+        print(f"precision: {args.precision} (the faster matmul on this machine)", flush=True)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
 
@@ -146,11 +166,11 @@ def main() -> None:
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     entropy = unigram_entropy(str(prefix))
-    run("generate", "--checkpoint", str(run_dir / "checkpoints"), "--prompt", "def read_config(path):",
-        "--max-new-tokens", "48", "--json")
-    out = subprocess.run([sys.executable, "-m", "mg_cli.main", "generate", "--checkpoint",
-                          str(run_dir / "checkpoints"), "--prompt", "def read_config(path):", "--max-new-tokens",
-                          "48"], check=True, capture_output=True, text=True).stdout
+    gen_args = ["generate", "--checkpoint", str(run_dir / "checkpoints"), "--prompt", "def read_config(path):",
+                "--max-new-tokens", "64", "--temperature", "0.8", "--top-k", "40", "--seed", "1"]
+    print(f"\n$ mg {shlex.join(gen_args)}", flush=True)
+    out = subprocess.run([sys.executable, "-m", "mg_cli.main", *gen_args], check=True, capture_output=True,
+                         text=True).stdout
     png = subprocess.run([sys.executable, "-m", "mg_cli.main", "plot", str(run_dir / "logs")], check=True,
                          capture_output=True, text=True).stdout.strip()
     print("\n" + "=" * 72)
