@@ -70,6 +70,12 @@ def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
         assert code != 0
         assert time.monotonic() - start < 120
     finally:
+        # The launcher starts workers in sessions of their own: stop every descendant, not just its group.
+        for pid in _descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 

@@ -60,7 +60,11 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, out[-3000:]
     stopped_at = max(train_losses(log))
     assert "stopping after iteration" in out
