@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mg_models import load_pretrained
 from mg_models.bert import BertConfig, BertModel, load_hf_bert
 from mg_models.hf.bert import read_hf_bert, write_hf_bert
 from mg_models.hf.t5 import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
@@ -57,6 +58,11 @@ def test_bert_matches_hugging_face_and_round_trips(tmp_path, masked_lm, types, p
         ref = hf(ids, token_type_ids=token_types, attention_mask=mask)
         logits, binary = model(ids, token_types, mask)
     ref_logits = ref.logits if masked_lm else ref.prediction_logits
+    loaded = load_pretrained(tmp_path / "hf")  # dispatches on config.json's model_type
+    assert isinstance(loaded, BertModel)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, token_type_ids=token_types, attention_mask=mask)[0], logits,
+                                   atol=0, rtol=0)
     assert logits.shape == (3, 12, VOCAB)
     assert (logits - ref_logits).abs().max() <= 1e-4
     if masked_lm:
@@ -128,6 +134,10 @@ def test_t5_matches_hugging_face_and_round_trips(tmp_path, ff, tie):
         logits, memory = model(ids, decoder_input_ids=dec, attention_mask=mask)
     assert logits.shape == (2, 15, VOCAB) and memory.shape == (20, 2, 32)
     assert (logits - ref).abs().max() <= 1e-4
+    loaded = load_pretrained(tmp_path / "hf")  # dispatches on config.json's model_type
+    assert isinstance(loaded, T5Model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, decoder_input_ids=dec, attention_mask=mask)[0], logits, atol=0, rtol=0)
     write_hf_t5(tmp_path / "out", model.state_dict(), model.config)
     saved, exported = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(
         str(tmp_path / "out" / "model.safetensors"))
@@ -201,6 +211,11 @@ def test_hf_adapter_errors_name_the_key(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "t5"}')
     with pytest.raises(ValueError, match="model_type='t5', expected 'bert'"):
         read_hf_bert(tmp_path)
+    with pytest.raises(ValueError, match="model_type='t5' config lacks required keys \\['num_layers'"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "num_hidden_layers": 2}')
+    with pytest.raises(ValueError, match="model_type='bert' config lacks required keys \\['hidden_size'"):
+        load_pretrained(tmp_path)
     t5_config = get_t5_config("tiny-t5")
     t5_state = state_to_hf(T5Model(t5_config).state_dict(), t5_config)
     with pytest.raises(ValueError, match="missing tensors \\['encoder.final_layer_norm.weight'\\]"):

@@ -16,6 +16,10 @@ def __getattr__(name: str):
         "generate": "mg_models.generation",
         "SamplingConfig": "mg_models.generation",
         "InferenceCache": "mg_models.generation",
+        "BertConfig": "mg_models.bert",
+        "BertModel": "mg_models.bert",
+        "T5Config": "mg_models.t5",
+        "T5Model": "mg_models.t5",
     }
     if name in lazy:
         import importlib
@@ -25,10 +29,14 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BertConfig",
+    "BertModel",
     "GPTConfig",
     "GPTModel",
     "InferenceCache",
     "SamplingConfig",
+    "T5Config",
+    "T5Model",
     "check_parallel",
     "flops_per_token",
     "generate",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -328,7 +329,7 @@ class BertModel(nn.Module):
         return logits, binary
 
 
-def load_hf_bert(path: str, *, dtype: torch.dtype | None = None,
+def load_hf_bert(path: str | Path, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> BertModel:
     """A single-process BertModel from a Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` directory.
 

@@ -45,12 +45,32 @@ def model_from_state(config: GPTConfig, state: dict[str, torch.Tensor], *, dtype
     return model.eval()
 
 
+def _load_hf_encoder_model(path: Path, dtype: torch.dtype | None,
+                           device: torch.device | str | None) -> torch.nn.Module | None:
+    """A BertModel / T5Model for a Hugging Face directory whose config.json says model_type bert / t5, else None."""
+    import json
+
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type == "bert":
+        from mg_models.bert import load_hf_bert
+
+        return load_hf_bert(path, dtype=dtype, device=device)
+    if model_type == "t5":
+        from mg_models.t5 import load_hf_t5
+
+        return load_hf_t5(path, dtype=dtype, device=device)
+    return None
+
+
 def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> GPTModel:
-    """Load a Hugging Face directory (GPT-2, Llama, Mistral; safetensors) or an mg checkpoint.
+    """Load a Hugging Face directory (GPT-2, Llama, Mistral, BERT, T5; safetensors) or an mg checkpoint.
 
     The model runs in one process; ``model(input_ids [b, s])`` returns logits ``[b, s, vocab_size]``
-    (unpadded), directly comparable with Hugging Face's.
+    (unpadded), directly comparable with Hugging Face's. BERT and T5 directories give a
+    :class:`~mg_models.bert.BertModel` (``model(input_ids, token_type_ids=None, attention_mask=None)
+    -> (mlm_logits, binary_logits)``) or a :class:`~mg_models.t5.T5Model` (``model(input_ids,
+    decoder_input_ids=..., attention_mask=None) -> (logits, encoder_output)``).
 
     Raises:
         FileNotFoundError: ``path`` is not a directory.
@@ -65,6 +85,9 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
             config, state = loaded
             return model_from_state(config, state, dtype=dtype, device=device)
     if (path / "config.json").exists():
+        encoder_model = _load_hf_encoder_model(path, dtype, device)
+        if encoder_model is not None:
+            return encoder_model
         config, state, _ = read_hf_directory(path)
         return model_from_state(config, state, dtype=dtype, device=device)
     raise ValueError(f"{path}: neither a Hugging Face directory (config.json) nor a checkpoint a registered mg "

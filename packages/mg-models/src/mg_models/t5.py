@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -463,7 +464,7 @@ def greedy_generate(model: T5Model, input_ids: torch.Tensor, max_new_tokens: int
     return out
 
 
-def load_hf_t5(path: str, *, dtype: torch.dtype | None = None,
+def load_hf_t5(path: str | Path, *, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> T5Model:
     """A single-process T5Model from a Hugging Face ``T5ForConditionalGeneration`` directory.
 

@@ -22,6 +22,7 @@ __all__ = ["config_from_hf", "config_to_hf", "load_safetensors_dir", "read_hf_be
            "write_hf_bert"]
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 # Buffers and tied aliases Hugging Face may save that carry no information of their own.
 _IGNORED = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids", "cls.predictions.decoder.weight",
             "cls.predictions.decoder.bias")
@@ -33,6 +34,10 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> BertConfig
     Raises:
         ValueError: a feature mg does not implement (names the config.json key).
     """
+    missing = [k for k in _REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"{where}: model_type='bert' config lacks required keys {missing}; save it with "
+                         f"BertConfig.save_pretrained")
     act = hf.get("hidden_act", "gelu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{where}: hidden_act={act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
@@ -193,10 +198,10 @@ def read_hf_bert(path: str | Path) -> tuple[BertConfig, dict[str, torch.Tensor]]
     hf_config = json.loads(cfg_file.read_text())
     if hf_config.get("model_type") != "bert":
         raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected 'bert'")
+    config = config_from_hf(hf_config, str(cfg_file))  # config errors first, before reading weights
     hf_state = load_safetensors_dir(path)
-    if "bert.pooler.dense.weight" not in hf_state:
-        hf_config = {**hf_config, "architectures": ["BertForMaskedLM"]}
-    config = config_from_hf(hf_config, str(cfg_file))
+    if config.add_binary_head and "bert.pooler.dense.weight" not in hf_state:
+        config = config_from_hf({**hf_config, "architectures": ["BertForMaskedLM"]}, str(cfg_file))
     return config, state_from_hf(hf_state, config)
 
 

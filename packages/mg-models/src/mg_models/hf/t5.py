@@ -32,6 +32,10 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", *, has_lm_hea
     Raises:
         ValueError: a feature mg does not implement (names the config.json key).
     """
+    missing = [k for k in ("num_layers", "d_model", "num_heads", "d_kv", "d_ff", "vocab_size") if k not in hf]
+    if missing:
+        raise ValueError(f"{where}: model_type='t5' config lacks required keys {missing}; save it with "
+                         f"T5Config.save_pretrained")
     act = hf.get("feed_forward_proj", "relu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{where}: feed_forward_proj={act!r} is not supported; use 'relu' or 'gated-gelu'")
@@ -139,6 +143,7 @@ def read_hf_t5(path: str | Path) -> tuple[T5Config, dict[str, torch.Tensor]]:
     hf_config = json.loads(cfg_file.read_text())
     if hf_config.get("model_type") != "t5":
         raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected 't5'")
+    config_from_hf(hf_config, str(cfg_file))  # config errors first, before reading weights
     hf_state = load_safetensors_dir(path)
     lm_head = hf_state.get("lm_head.weight")
     untied = lm_head is not None and not torch.equal(lm_head, hf_state["shared.weight"])
