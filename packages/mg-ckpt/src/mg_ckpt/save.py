@@ -383,10 +383,14 @@ def _clean_stale(save_dir: str) -> None:
     for name in os.listdir(save_dir):
         if name.startswith((".tmp_iter_", ".trash_", "latest.tmp")):
             path = os.path.join(save_dir, name)
+            # A retention thread of an earlier save may be deleting the same trash concurrently.
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                os.remove(path)
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
 
 
 def _retain(save_dir: str, just_saved: int, keep_last: int) -> None:
