@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made, so importing this module stays cheap
+    import torch
 
 
 def is_mg_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -27,6 +28,8 @@ def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
         mg_ckpt.CheckpointError: unreadable or corrupt checkpoint (names the file).
         ValueError: the checkpoint carries no model configuration (not written by ``mg train``/``mg convert``).
     """
+    import torch
+
     from mg_ckpt import inspect_checkpoint, load_checkpoint
     from mg_models import GPTConfig
 

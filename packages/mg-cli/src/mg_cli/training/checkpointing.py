@@ -104,13 +104,12 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
     return out, state
 
 
-def _strip(pieces: dict[str, ShardedTensor]) -> dict[str, ShardedTensor]:
-    # Keys with '#tied' name the same logical tensor as the embedding: load them under that name.
-    return {k.split("#")[0] if "#" in k else k: v for k, v in pieces.items() if "#" not in k}
-
-
-def _tied(pieces: dict[str, ShardedTensor]) -> dict[str, ShardedTensor]:
-    return {k.split("#")[0]: v for k, v in pieces.items() if "#" in k}
+def _split_tied(pieces: dict[str, ShardedTensor]) -> tuple[dict[str, ShardedTensor], dict[str, ShardedTensor]]:
+    """(ordinary pieces, tied copies keyed by the embedding's name): '#tied' keys name the embedding's
+    logical tensor, which the ordinary pieces may also hold, so they are loaded in a second pass."""
+    main = {k: v for k, v in pieces.items() if "#" not in k}
+    tied = {k.split("#")[0]: v for k, v in pieces.items() if "#" in k}
+    return main, tied
 
 
 def rng_state(rng_tracker: Any) -> dict[str, Any]:
@@ -170,8 +169,7 @@ def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: Process
     if load_optimizer:
         opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=True)
         pieces.update(opt_pieces)
-    main = _strip(pieces)
-    tied = _tied(pieces)
+    main, tied = _split_tied(pieces)
     extra = load_checkpoint(path, main)
     # Collective: every rank takes part, also those without a tied copy (an empty template).
     load_checkpoint(path, tied, verify=False)
