@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from mg_data.blended import BlendedDataset
-from mg_data.gpt_dataset import SPLIT_NAMES, parse_blend
-from mg_data.gpt_indices import parse_split, split_ranges
+from mg_data.gpt_dataset import build_split_datasets
+from mg_data.gpt_indices import parse_split
 from mg_data.index_cache import cached_arrays, fingerprint
 from mg_data.indexed import IndexedDataset
 from mg_data.masking import IGNORE_INDEX, mask_tokens, word_start_table
@@ -305,51 +305,6 @@ class BertDataset:
         return {"text": text, "types": types, "labels": labels, "is_random": np.int64(is_random),
                 "loss_mask": (labels != IGNORE_INDEX).astype(np.float32), "padding_mask": padding_mask,
                 "truncated": np.int64(truncated)}
-
-
-def build_split_datasets(config: Any, make: Callable[[IndexedDataset, tuple[int, int], int | None, str], Any],
-                         blend: Sequence[str | float] | None, num_samples: Sequence[int | None],
-                         blend_per_split: Sequence[Sequence[str | float] | None] | None) -> list[Any]:
-    """Train/valid/test datasets (``make(indexed, document_range, num_samples, split_name)`` each),
-    blended when a blend names several prefixes; the splitting rules of ``build_gpt_datasets``."""
-    if (blend is None) == (blend_per_split is None):
-        raise ValueError("pass exactly one of blend and blend_per_split")
-    out: list[Any] = []
-    weights = parse_split(config.split)
-    for s, name in enumerate(SPLIT_NAMES):
-        if blend_per_split is not None:
-            this = blend_per_split[s]
-            if not this:
-                out.append(None)
-                continue
-            prefixes, mix = parse_blend(this)
-            ranges = None
-        else:
-            if weights[s] == 0:
-                out.append(None)
-                continue
-            prefixes, mix = parse_blend(blend)  # type: ignore[arg-type]
-            ranges = weights
-        n = num_samples[s]
-        if len(prefixes) > 1 and n is None:
-            raise ValueError(f"{name}: a blend of several datasets needs num_samples for that split")
-        counts = BlendedDataset.required_samples(mix, n) if len(prefixes) > 1 else [n]
-        parts = []
-        for p, count in zip(prefixes, counts):
-            ds = IndexedDataset(p)
-            rng = (0, ds.num_documents) if ranges is None else split_ranges(ds.num_documents, ranges)[s]
-            if rng[0] == rng[1]:
-                if len(prefixes) > 1:
-                    raise ValueError(f"{p}: the {name} split holds no document; adjust --split")
-                break
-            parts.append(make(ds, rng, count, name))
-        if not parts:
-            out.append(None)
-        elif len(parts) == 1:
-            out.append(parts[0])
-        else:
-            out.append(BlendedDataset(parts, mix, n, cache_dir=config.cache_dir, name=f"{name}"))  # type: ignore[arg-type]
-    return out
 
 
 def build_bert_datasets(config: BertDatasetConfig, blend: Sequence[str | float] | None = None,

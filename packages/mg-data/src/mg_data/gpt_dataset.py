@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +200,56 @@ def parse_blend(blend: Sequence[str | float]) -> tuple[list[str], list[float]]:
     return items[1::2], [w / sum(weights) for w in weights]
 
 
+def build_split_datasets(config: Any, make: Callable[[IndexedDataset, tuple[int, int], int | None, str], Any],
+                         blend: Sequence[str | float] | None, num_samples: Sequence[int | None],
+                         blend_per_split: Sequence[Sequence[str | float] | None] | None) -> list[Any]:
+    """Train/valid/test datasets (``make(indexed, document_range, num_samples, split_name)`` each),
+    blended when a blend names several prefixes (the splitting rules every family shares).
+
+    Raises:
+        ValueError: both or neither blend given, a blend without num_samples, or a split without
+            documents in a blend.
+    """
+    if (blend is None) == (blend_per_split is None):
+        raise ValueError("pass exactly one of blend and blend_per_split")
+    out: list[Any] = []
+    weights = parse_split(config.split)
+    for s, name in enumerate(SPLIT_NAMES):
+        if blend_per_split is not None:
+            this = blend_per_split[s]
+            if not this:
+                out.append(None)
+                continue
+            prefixes, mix = parse_blend(this)
+            ranges = None
+        else:
+            if weights[s] == 0:
+                out.append(None)
+                continue
+            prefixes, mix = parse_blend(blend)  # type: ignore[arg-type]
+            ranges = weights
+        n = num_samples[s]
+        if len(prefixes) > 1 and n is None:
+            raise ValueError(f"{name}: a blend of several datasets needs num_samples for that split")
+        counts = BlendedDataset.required_samples(mix, n) if len(prefixes) > 1 else [n]
+        parts = []
+        for p, count in zip(prefixes, counts):
+            ds = IndexedDataset(p)
+            rng = (0, ds.num_documents) if ranges is None else split_ranges(ds.num_documents, ranges)[s]
+            if rng[0] == rng[1]:
+                if len(prefixes) > 1:
+                    raise ValueError(f"{p}: the {name} split holds no document; adjust --split")
+                break
+            parts.append(make(ds, rng, count, name))
+        if not parts:
+            out.append(None)
+        elif len(parts) == 1:
+            out.append(parts[0])
+        else:
+            out.append(BlendedDataset(parts, mix, n, cache_dir=config.cache_dir, name=name))  # type: ignore[arg-type]
+    return out
+
+
 def build_gpt_datasets(config: GPTDatasetConfig, blend: Sequence[str | float] | None = None,
                        num_samples: Sequence[int | None] = (None, None, None), *,
                        blend_per_split: Sequence[Sequence[str | float] | None] | None = None
@@ -216,41 +266,5 @@ def build_gpt_datasets(config: GPTDatasetConfig, blend: Sequence[str | float] | 
         Three datasets (None for a split with zero weight or no blend); a ``BlendedDataset`` when a
         blend has several prefixes.
     """
-    if (blend is None) == (blend_per_split is None):
-        raise ValueError("pass exactly one of blend and blend_per_split")
-    out: list[GPTDataset | BlendedDataset | None] = []
-    weights = parse_split(config.split)
-    for s, name in enumerate(SPLIT_NAMES):
-        if blend_per_split is not None:
-            this = blend_per_split[s]
-            if not this:
-                out.append(None)
-                continue
-            prefixes, mix = parse_blend(this)
-            ranges = None
-        else:
-            if weights[s] == 0:
-                out.append(None)
-                continue
-            prefixes, mix = parse_blend(blend)  # type: ignore[arg-type]
-            ranges = weights
-        parts = []
-        n = num_samples[s]
-        if len(prefixes) > 1 and n is None:
-            raise ValueError(f"{name}: a blend of several datasets needs num_samples for that split")
-        counts = BlendedDataset.required_samples(mix, n) if len(prefixes) > 1 else [n]
-        for p, count in zip(prefixes, counts):
-            ds = IndexedDataset(p)
-            rng = (0, ds.num_documents) if ranges is None else split_ranges(ds.num_documents, ranges)[s]
-            if rng[0] == rng[1]:
-                if len(prefixes) > 1:
-                    raise ValueError(f"{p}: the {name} split holds no document; adjust --split")
-                break
-            parts.append(GPTDataset(ds, rng, count, config, name))
-        if not parts:
-            out.append(None)
-        elif len(parts) == 1:
-            out.append(parts[0])
-        else:
-            out.append(BlendedDataset(parts, mix, n, cache_dir=config.cache_dir, name=name))  # type: ignore[arg-type]
-    return out
+    return build_split_datasets(config, lambda ds, rng, n, name: GPTDataset(ds, rng, n, config, name),
+                                blend, num_samples, blend_per_split)

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from mg_data.bert_dataset import build_split_datasets
 from mg_data.blended import BlendedDataset
+from mg_data.gpt_dataset import build_split_datasets
 from mg_data.gpt_indices import SEPARATE_FINAL_EPOCH_THRESHOLD, build_gpt_indices, parse_split
 from mg_data.index_cache import cached_arrays, fingerprint
 from mg_data.indexed import IndexedDataset
