@@ -53,3 +53,50 @@ def test_config_round_trip_and_unknown_keys():
     assert GPTConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown model config keys \\['hiden_size'\\]"):
         GPTConfig.from_dict({**config.to_dict(), "hiden_size": 3})
+
+
+def _counted_flops(run) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        run()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("binary_head", [True, False])
+def test_bert_flops_per_token_matches_torch_flop_counter(binary_head):
+    from mg_models.bert import BertConfig, BertModel, get_bert_config
+
+    config = get_bert_config("tiny-bert", vocab_size=200, add_binary_head=binary_head)
+    model = BertModel(config)
+    b, s = 2, 24
+    ids = torch.randint(0, 200, (b, s))
+
+    def run():
+        logits, binary = model(ids, torch.zeros_like(ids), torch.ones_like(ids))
+        (logits.sum() + (binary.sum() if binary is not None else 0)).backward()
+
+    assert flops_per_token(config, s, padded_vocab=True) == pytest.approx(_counted_flops(run) / (b * s), rel=1e-12)
+    assert flops_per_token(config, s, recompute=True) > flops_per_token(config, s)
+    assert BertConfig.from_dict(config.to_dict()) == config and type(BertConfig.from_dict(config.to_dict())) is BertConfig
+
+
+@pytest.mark.parametrize("activation, tied", [("relu", True), ("gated-gelu", False)])
+def test_t5_flops_per_token_matches_torch_flop_counter(activation, tied):
+    from mg_models.t5 import T5Config, T5Model, get_t5_config
+
+    config = get_t5_config("tiny-t5", vocab_size=200, activation=activation, tie_word_embeddings=tied,
+                           num_decoder_layers=3)
+    model = T5Model(config)
+    b, s, t = 2, 24, 10
+    ids, dec = torch.randint(0, 200, (b, s)), torch.randint(0, 200, (b, t))
+
+    def run():
+        logits, _ = model(ids, dec, torch.ones_like(ids))
+        logits.sum().backward()
+
+    # Per encoder token: the whole sample's FLOPs over its encoder tokens.
+    expected = _counted_flops(run) / (b * s)
+    assert flops_per_token(config, s, decoder_seq_length=t, padded_vocab=True) == pytest.approx(expected, rel=1e-12)
+    assert T5Config.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="decoder_seq_length"):
+        flops_per_token(config, s, decoder_seq_length=0)
