@@ -9,24 +9,31 @@ Public API:
 * :func:`inspect_checkpoint` — describe (and verify) a checkpoint without loading it;
 * :func:`write_hf_safetensors` / :func:`iter_hf_safetensors` — streaming Hugging Face style
   sharded safetensors directories;
+* :class:`StreamingCheckpointWriter` / :class:`CheckpointReader` — write a checkpoint one tensor
+  at a time, read any checkpoint one tensor at a time (conversions larger than memory);
+  :class:`HFSafetensorsReader` — random access to a Hugging Face directory's tensors;
 * :class:`CheckpointError` — every load/save failure, naming the file and tensor at fault.
 """
 
 __version__ = "0.1.0"
 
 from mg_ckpt.errors import CheckpointError
-from mg_ckpt.hf import iter_hf_safetensors, read_hf_index, write_hf_safetensors
+from mg_ckpt.hf import HFSafetensorsReader, iter_hf_safetensors, read_hf_index, write_hf_safetensors
 from mg_ckpt.inspect import CheckpointReport, inspect_checkpoint
 from mg_ckpt.load import load_checkpoint
 from mg_ckpt.metadata import checkpoint_dir, latest_iteration, list_checkpoints
 from mg_ckpt.save import SaveHandle, finalize, release_staging_buffers, save_checkpoint
 from mg_ckpt.sharded import ShardedTensor
+from mg_ckpt.stream import CheckpointReader, StreamingCheckpointWriter
 
 __all__ = [
     "CheckpointError",
+    "CheckpointReader",
     "CheckpointReport",
+    "HFSafetensorsReader",
     "SaveHandle",
     "ShardedTensor",
+    "StreamingCheckpointWriter",
     "checkpoint_dir",
     "finalize",
     "inspect_checkpoint",
