@@ -4,11 +4,17 @@ A Hugging Face directory is ``config.json`` plus ``model.safetensors`` (or shard
 ``model.safetensors.index.json``). :func:`read_hf_directory` turns one into an mg config and an
 unsharded mg state dict; :func:`write_hf_directory` writes the reverse with exactly Hugging Face's
 tensor names (no separate tensor for tied weights) and a loadable ``config.json``.
+
+For conversions that must not hold the model in memory, :func:`tensor_groups` describes any
+supported model (GPT-2, Llama, Mistral, BERT, T5) as small groups of tensors converted
+independently (:mod:`mg_models.hf.groups`), and :func:`read_hf_config` reads a directory's
+configuration from its ``config.json`` and, where needed, a tensor or two.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +23,16 @@ from safetensors.torch import load_file, save_file
 
 from mg_models.config import GPTConfig
 from mg_models.hf import gpt2, llama
+from mg_models.hf.groups import TensorGroup, converted_specs, iter_converted
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "read_hf_directory", "state_from_hf", "state_to_hf",
-           "write_hf_directory"]
+__all__ = ["FAMILY_OF_MODEL_TYPE", "SUPPORTED_MODEL_TYPES", "TensorGroup", "config_from_hf", "config_to_hf",
+           "converted_specs", "hf_tensor_ignored", "iter_converted", "model_config_from_dict", "read_hf_config",
+           "read_hf_directory", "state_from_hf", "state_to_hf", "tensor_groups", "write_hf_directory"]
 
 SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama}
+"""The GPT-family Hugging Face architectures (BERT and T5 have their own modules)."""
+FAMILY_OF_MODEL_TYPE = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "bert": "bert", "t5": "t5"}
+"""mg model family (``extra["model_family"]`` of mg checkpoints) of each Hugging Face ``model_type``."""
 # Non-parameter buffers some GPT-2 checkpoints carry (the causal mask); safe to drop.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -110,3 +121,98 @@ def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], conf
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def _family_module(model_type: str, where: str) -> Any:
+    if model_type == "bert":
+        from mg_models.hf import bert
+
+        return bert
+    if model_type == "t5":
+        from mg_models.hf import t5
+
+        return t5
+    return _adapter(model_type, where)
+
+
+def model_config_from_dict(family: str, d: dict[str, Any]) -> Any:
+    """The model config of mg family ``family`` ("gpt", "bert", "t5") from its ``to_dict()`` form.
+
+    Raises:
+        ValueError: an unknown family or unknown config keys.
+    """
+    if family == "gpt":
+        return GPTConfig.from_dict(d)
+    if family == "bert":
+        from mg_models.bert import BertConfig
+
+        return BertConfig.from_dict(d)
+    if family == "t5":
+        from mg_models.t5 import T5Config
+
+        return T5Config.from_dict(d)
+    raise ValueError(f"model_family={family!r} is not known; expected 'gpt', 'bert' or 't5'")
+
+
+def tensor_groups(config: Any, model_type: str) -> list[TensorGroup]:
+    """The model as per-tensor conversion groups (see :mod:`mg_models.hf.groups`).
+
+    Raises:
+        ValueError: an unsupported ``model_type``.
+    """
+    return _family_module(model_type, "tensor_groups").tensor_groups(config)
+
+
+def config_to_hf(config: Any, model_type: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict of ``config`` exported as ``model_type``.
+
+    Raises:
+        ValueError: an unsupported ``model_type`` or a config the architecture cannot express.
+    """
+    module = _family_module(model_type, "config_to_hf")
+    return module.config_to_hf(config, model_type) if module is llama else module.config_to_hf(config)
+
+
+def hf_tensor_ignored(name: str, config: Any, model_type: str) -> bool:
+    """True for Hugging Face tensors that carry nothing mg needs (buffers, tied aliases)."""
+    if model_type == "bert":
+        from mg_models.hf import bert
+
+        return bert.is_ignored(name)
+    if model_type == "t5":
+        from mg_models.hf import t5
+
+        return t5.is_ignored(name, config)
+    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def read_hf_config(path: str | Path, names: Collection[str],
+                   read: Callable[[str], torch.Tensor]) -> tuple[Any, str]:
+    """``(mg config, model_type)`` of a Hugging Face directory, from ``config.json`` and its tensor names.
+
+    ``names`` are the tensors the directory holds; ``read(name)`` reads one. BERT's binary head is
+    present when the pooler is; T5's head is untied when ``lm_head.weight`` differs from the shared
+    embedding (the only case where two tensors are read).
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: an unsupported architecture or feature (names the config.json key).
+    """
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
+    hf_config = json.loads(cfg_file.read_text())
+    model_type = hf_config.get("model_type", "")
+    if model_type == "bert":
+        from mg_models.hf import bert
+
+        if "bert.pooler.dense.weight" not in names:
+            hf_config = {**hf_config, "architectures": ["BertForMaskedLM"]}
+        return bert.config_from_hf(hf_config, str(cfg_file)), model_type
+    if model_type == "t5":
+        from mg_models.hf import t5
+
+        t5.config_from_hf(hf_config, str(cfg_file))  # config errors before reading weights
+        untied = "lm_head.weight" in names and not torch.equal(read("lm_head.weight"), read("shared.weight"))
+        return t5.config_from_hf(hf_config, str(cfg_file), has_lm_head=untied), model_type
+    return config_from_hf(hf_config, where=str(cfg_file)), model_type

@@ -17,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from mg_models.bert import BertConfig
 from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
-__all__ = ["config_from_hf", "config_to_hf", "load_safetensors_dir", "read_hf_bert", "state_from_hf", "state_to_hf",
-           "write_hf_bert"]
+__all__ = ["config_from_hf", "config_to_hf", "is_ignored", "load_safetensors_dir", "read_hf_bert", "state_from_hf",
+           "state_to_hf", "tensor_groups", "write_hf_bert"]
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -117,6 +118,27 @@ def _head_pairs(c: BertConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def tensor_groups(c: BertConfig) -> list[TensorGroup]:
+    """The model as per-tensor conversions: renames, vocabulary padding, one q/k/v fusion group per layer and parameter."""
+    heads = c.num_attention_heads
+    groups = [
+        mapped("bert.embeddings.word_embeddings.weight", "embedding.word_embeddings.weight",
+               lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
+        mapped("cls.predictions.bias", "lm_head.bias", lambda b: pad_vocab(b[:, None], c)[:, 0],
+               lambda b: b[: c.vocab_size].contiguous()),
+    ]
+    groups += [rename(h, m) for m, h in _head_pairs(c)]
+    for i in range(c.num_layers):
+        attn = f"bert.encoder.layer.{i}.attention.self"
+        for p in ("weight", "bias"):
+            groups.append(TensorGroup(
+                tuple(f"{attn}.{n}.{p}" for n in ("query", "key", "value")),
+                (f"encoder.layers.{i}.self_attention.linear_qkv.{p}",),
+                lambda q, k, v: (_fuse_qkv(q, k, v, heads),), lambda w: _split_qkv(w, heads)))
+        groups += [rename(h, m) for m, h in _layer_pairs(i)]
+    return groups
+
+
 def state_from_hf(hf: dict[str, torch.Tensor], c: BertConfig) -> dict[str, torch.Tensor]:
     """Unsharded mg BERT state dict from a Hugging Face one.
 
@@ -124,45 +146,25 @@ def state_from_hf(hf: dict[str, torch.Tensor], c: BertConfig) -> dict[str, torch
         ValueError: a tensor is missing, or the checkpoint holds tensors mg does not know.
     """
     hf = {k: v for k, v in hf.items() if k not in _IGNORED}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
+    groups = tensor_groups(c)
+    needed = [n for g in groups for n in g.hf]
+    for name in needed:
         if name not in hf:
             raise ValueError(f"checkpoint is missing tensor {name!r} required by its config.json")
-        used.add(name)
-        return hf[name]
-
-    out = {"embedding.word_embeddings.weight": pad_vocab(take("bert.embeddings.word_embeddings.weight"), c),
-           "lm_head.bias": pad_vocab(take("cls.predictions.bias")[:, None], c)[:, 0]}
-    for mg_name, hf_name in _head_pairs(c):
-        out[mg_name] = take(hf_name)
-    for i in range(c.num_layers):
-        attn = f"bert.encoder.layer.{i}.attention.self"
-        for p in ("weight", "bias"):
-            q, k, v = (take(f"{attn}.{n}.{p}") for n in ("query", "key", "value"))
-            out[f"encoder.layers.{i}.self_attention.linear_qkv.{p}"] = _fuse_qkv(q, k, v, c.num_attention_heads)
-        for mg_name, hf_name in _layer_pairs(i):
-            out[mg_name] = take(hf_name)
-    extra = sorted(set(hf) - used)
+    extra = sorted(set(hf) - set(needed))
     if extra:
         raise ValueError(f"checkpoint holds tensors mg's BERT does not know: {extra[:5]}")
-    return out
+    return to_mg_state(groups, hf)
+
+
+def is_ignored(name: str) -> bool:
+    """True for Hugging Face tensors that carry nothing of their own (buffers, tied aliases)."""
+    return name in _IGNORED
 
 
 def state_to_hf(mg: dict[str, torch.Tensor], c: BertConfig) -> dict[str, torch.Tensor]:
     """Hugging Face BERT state dict (exact names, no tied aliases) from an unsharded mg one."""
-    out = {"bert.embeddings.word_embeddings.weight": unpad_vocab(mg["embedding.word_embeddings.weight"], c),
-           "cls.predictions.bias": mg["lm_head.bias"][: c.vocab_size].contiguous()}
-    for mg_name, hf_name in _head_pairs(c):
-        out[hf_name] = mg[mg_name]
-    for i in range(c.num_layers):
-        attn = f"bert.encoder.layer.{i}.attention.self"
-        for p in ("weight", "bias"):
-            q, k, v = _split_qkv(mg[f"encoder.layers.{i}.self_attention.linear_qkv.{p}"], c.num_attention_heads)
-            out.update({f"{attn}.query.{p}": q, f"{attn}.key.{p}": k, f"{attn}.value.{p}": v})
-        for mg_name, hf_name in _layer_pairs(i):
-            out[hf_name] = mg[mg_name]
-    return out
+    return to_hf_state(tensor_groups(c), mg)
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:

@@ -13,8 +13,9 @@ import torch
 
 from mg_models.config import GPTConfig
 from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
-__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf"]
+__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -84,44 +85,56 @@ def _layer_map(i: int) -> list[tuple[str, str, bool]]:
     ]
 
 
-def state_from_hf(hf: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
-    """mg (tp=1, unsharded) state dict from a GPT-2 state dict. Raises KeyError naming a missing tensor."""
+def _qkv_to_mg(w: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    """Conv1D c_attn weight [h, 3h] (columns [q | k | v]) -> mg fused [heads*(q_h,k_h,v_h), h]."""
     heads, d, hdim = c.num_attention_heads, c.head_dim, c.hidden_size
-    out = {
-        "embedding.word_embeddings.weight": pad_vocab(hf["transformer.wte.weight"], c),
-        "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
-        "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
-        "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"],
-    }
+    return w.t().reshape(3, heads, d, hdim).transpose(0, 1).reshape(3 * heads * d, hdim).contiguous()
+
+
+def _qkv_to_hf(w: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    heads, d, hdim = c.num_attention_heads, c.head_dim, c.hidden_size
+    return w.reshape(heads, 3, d, hdim).transpose(0, 1).reshape(3 * heads * d, hdim).t().contiguous()
+
+
+def _qkv_bias_to_mg(b: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    return b.reshape(3, c.num_attention_heads, c.head_dim).transpose(0, 1).reshape(-1).contiguous()
+
+
+def _qkv_bias_to_hf(b: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    return b.reshape(c.num_attention_heads, 3, c.head_dim).transpose(0, 1).reshape(-1).contiguous()
+
+
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
+def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
+    """The model as per-tensor conversions (GPT-2 tensors map one to one; Conv1D weights are transposed)."""
+    groups = [
+        mapped("transformer.wte.weight", "embedding.word_embeddings.weight",
+               lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
+        rename("transformer.wpe.weight", "embedding.position_embeddings.weight"),
+        rename("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
+        rename("transformer.ln_f.bias", "decoder.final_layernorm.bias"),
+    ]
     if not c.tie_word_embeddings:
-        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], c)
+        groups.append(mapped("lm_head.weight", "output_layer.weight",
+                             lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)))
     for i in range(c.num_layers):
         for hname, mname, conv in _layer_map(i):
-            out[mname] = hf[hname].t().contiguous() if conv else hf[hname]
-        w = hf[f"transformer.h.{i}.attn.c_attn.weight"].t()  # [3h, h]: [q | k | v]
-        b = hf[f"transformer.h.{i}.attn.c_attn.bias"]
-        m = f"decoder.layers.{i}.self_attention.linear_qkv"
-        out[f"{m}.weight"] = w.reshape(3, heads, d, hdim).transpose(0, 1).reshape(3 * heads * d, hdim).contiguous()
-        out[f"{m}.bias"] = b.reshape(3, heads, d).transpose(0, 1).reshape(-1).contiguous()
-    return out
+            groups.append(mapped(hname, mname, _transpose, _transpose) if conv else rename(hname, mname))
+        h, m = f"transformer.h.{i}.attn.c_attn", f"decoder.layers.{i}.self_attention.linear_qkv"
+        groups.append(mapped(f"{h}.weight", f"{m}.weight", lambda w: _qkv_to_mg(w, c), lambda w: _qkv_to_hf(w, c)))
+        groups.append(mapped(f"{h}.bias", f"{m}.bias", lambda b: _qkv_bias_to_mg(b, c),
+                             lambda b: _qkv_bias_to_hf(b, c)))
+    return groups
+
+
+def state_from_hf(hf: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    """mg (tp=1, unsharded) state dict from a GPT-2 state dict. Raises KeyError naming a missing tensor."""
+    return to_mg_state(tensor_groups(c), hf)
 
 
 def state_to_hf(mg: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
     """GPT-2 state dict (Hugging Face names; no ``lm_head.weight`` when tied) from an mg state dict."""
-    heads, d, hdim = c.num_attention_heads, c.head_dim, c.hidden_size
-    out = {
-        "transformer.wte.weight": unpad_vocab(mg["embedding.word_embeddings.weight"], c),
-        "transformer.wpe.weight": mg["embedding.position_embeddings.weight"],
-        "transformer.ln_f.weight": mg["decoder.final_layernorm.weight"],
-        "transformer.ln_f.bias": mg["decoder.final_layernorm.bias"],
-    }
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = unpad_vocab(mg["output_layer.weight"], c)
-    for i in range(c.num_layers):
-        for hname, mname, conv in _layer_map(i):
-            out[hname] = mg[mname].t().contiguous() if conv else mg[mname]
-        m = f"decoder.layers.{i}.self_attention.linear_qkv"
-        w = mg[f"{m}.weight"].reshape(heads, 3, d, hdim).transpose(0, 1).reshape(3 * heads * d, hdim)
-        out[f"transformer.h.{i}.attn.c_attn.weight"] = w.t().contiguous()
-        out[f"transformer.h.{i}.attn.c_attn.bias"] = mg[f"{m}.bias"].reshape(heads, 3, d).transpose(0, 1).reshape(-1).contiguous()
-    return out
+    return to_hf_state(tensor_groups(c), mg)

@@ -15,8 +15,9 @@ import torch
 
 from mg_models.config import GPTConfig
 from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
-__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf"]
+__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -102,47 +103,47 @@ def _plain_map(i: int, bias: bool) -> list[tuple[str, str]]:
     return pairs
 
 
+def _qkv_group(c: GPTConfig, i: int, suffix: str) -> TensorGroup:
+    """Separate q/k/v [heads*d, ...] <-> mg fused QKV grouped per key/value group [g*(q..., k, v), ...]."""
+    g, qpg, d = c.query_groups, c.num_attention_heads // c.query_groups, c.head_dim
+
+    def to_mg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+        return (fused.reshape(g * (qpg + 2) * d, *rest),)
+
+    def to_hf(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rest = fused.shape[1:]
+        q, k, v = fused.reshape(g, (qpg + 2) * d, *rest).split([qpg * d, d, d], dim=1)
+        return (q.reshape(g * qpg * d, *rest).contiguous(), k.reshape(g * d, *rest).contiguous(),
+                v.reshape(g * d, *rest).contiguous())
+
+    a = f"model.layers.{i}.self_attn"
+    return TensorGroup(tuple(f"{a}.{p}_proj.{suffix}" for p in "qkv"),
+                       (f"decoder.layers.{i}.self_attention.linear_qkv.{suffix}",), to_mg, to_hf)
+
+
+def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
+    """The model as per-tensor conversions: renames, vocabulary padding, and one q/k/v fusion group per layer."""
+    groups = [
+        mapped("model.embed_tokens.weight", "embedding.word_embeddings.weight",
+               lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
+        rename("model.norm.weight", "decoder.final_layernorm.weight"),
+    ]
+    if not c.tie_word_embeddings:
+        groups.append(mapped("lm_head.weight", "output_layer.weight",
+                             lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)))
+    for i in range(c.num_layers):
+        groups += [rename(h, m) for h, m in _plain_map(i, c.add_bias_linear)]
+        groups += [_qkv_group(c, i, suffix) for suffix in (("weight", "bias") if c.qkv_bias else ("weight",))]
+    return groups
+
+
 def state_from_hf(hf: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
     """mg (tp=1, unsharded) state dict from a Llama/Mistral state dict. Raises KeyError naming a missing tensor."""
-    g, qpg, d = c.query_groups, c.num_attention_heads // c.query_groups, c.head_dim
-    out = {
-        "embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"], c),
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if not c.tie_word_embeddings:
-        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], c)
-    for i in range(c.num_layers):
-        for hname, mname in _plain_map(i, c.add_bias_linear):
-            out[mname] = hf[hname]
-        a = f"model.layers.{i}.self_attn"
-        m = f"decoder.layers.{i}.self_attention.linear_qkv"
-        for suffix in ("weight", "bias") if c.qkv_bias else ("weight",):
-            q, k, v = (hf[f"{a}.{p}_proj.{suffix}"] for p in "qkv")
-            rest = q.shape[1:]
-            fused = torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
-            out[f"{m}.{suffix}"] = fused.reshape(g * (qpg + 2) * d, *rest)
-    return out
+    return to_mg_state(tensor_groups(c), hf)
 
 
 def state_to_hf(mg: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
     """Llama/Mistral state dict (Hugging Face names; no ``lm_head.weight`` when tied) from an mg state dict."""
-    g, qpg, d = c.query_groups, c.num_attention_heads // c.query_groups, c.head_dim
-    out = {
-        "model.embed_tokens.weight": unpad_vocab(mg["embedding.word_embeddings.weight"], c),
-        "model.norm.weight": mg["decoder.final_layernorm.weight"],
-    }
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = unpad_vocab(mg["output_layer.weight"], c)
-    for i in range(c.num_layers):
-        for hname, mname in _plain_map(i, c.add_bias_linear):
-            out[hname] = mg[mname]
-        a = f"model.layers.{i}.self_attn"
-        m = f"decoder.layers.{i}.self_attention.linear_qkv"
-        for suffix in ("weight", "bias") if c.qkv_bias else ("weight",):
-            fused = mg[f"{m}.{suffix}"]
-            rest = fused.shape[1:]
-            q, k, v = fused.reshape(g, (qpg + 2) * d, *rest).split([qpg * d, d, d], dim=1)
-            out[f"{a}.q_proj.{suffix}"] = q.reshape(g * qpg * d, *rest).contiguous()
-            out[f"{a}.k_proj.{suffix}"] = k.reshape(g * d, *rest).contiguous()
-            out[f"{a}.v_proj.{suffix}"] = v.reshape(g * d, *rest).contiguous()
-    return out
+    return to_hf_state(tensor_groups(c), mg)

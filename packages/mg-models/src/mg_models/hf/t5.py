@@ -18,9 +18,11 @@ from safetensors.torch import save_file
 
 from mg_models.hf.bert import load_safetensors_dir
 from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 from mg_models.t5 import T5Config
 
-__all__ = ["config_from_hf", "config_to_hf", "read_hf_t5", "state_from_hf", "state_to_hf", "write_hf_t5"]
+__all__ = ["config_from_hf", "config_to_hf", "is_ignored", "read_hf_t5", "state_from_hf", "state_to_hf",
+           "tensor_groups", "write_hf_t5"]
 
 _ACTIVATIONS = {"relu": "relu", "gated-gelu": "gated-gelu"}
 _ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -109,24 +111,31 @@ def state_from_hf(hf: dict[str, torch.Tensor], c: T5Config) -> dict[str, torch.T
         missing.append("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint is missing tensors {missing[:5]} required by its config.json")
-    out = {"word_embeddings.weight": pad_vocab(hf["shared.weight"], c)}
-    if not c.tie_word_embeddings:
-        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], c)
-    out.update({m: hf[h] for m, h in _pairs(c)})
     known = {h for _, h in _pairs(c)} | {"shared.weight", "lm_head.weight"}
     extra = sorted(set(hf) - known)
     if extra:
         raise ValueError(f"checkpoint holds tensors mg's T5 does not know: {extra[:5]}")
-    return out
+    return to_mg_state(tensor_groups(c), hf)
+
+
+def tensor_groups(c: T5Config) -> list[TensorGroup]:
+    """The model as per-tensor conversions (T5 tensors map one to one; the embedding and head are padded)."""
+    groups = [mapped("shared.weight", "word_embeddings.weight", lambda w: pad_vocab(w, c),
+                     lambda w: unpad_vocab(w, c))]
+    if not c.tie_word_embeddings:
+        groups.append(mapped("lm_head.weight", "output_layer.weight", lambda w: pad_vocab(w, c),
+                             lambda w: unpad_vocab(w, c)))
+    return groups + [rename(h, m) for m, h in _pairs(c)]
+
+
+def is_ignored(name: str, c: T5Config) -> bool:
+    """True for Hugging Face tensors that are aliases of others (the stacks' embeddings; a tied head)."""
+    return name in _ALIASES or (c.tie_word_embeddings and name == "lm_head.weight")
 
 
 def state_to_hf(mg: dict[str, torch.Tensor], c: T5Config) -> dict[str, torch.Tensor]:
     """Hugging Face T5 state dict (exact names, no aliases) from an unsharded mg one."""
-    out = {"shared.weight": unpad_vocab(mg["word_embeddings.weight"], c)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = unpad_vocab(mg["output_layer.weight"], c)
-    out.update({h: mg[m] for m, h in _pairs(c)})
-    return out
+    return to_hf_state(tensor_groups(c), mg)
 
 
 def read_hf_t5(path: str | Path) -> tuple[T5Config, dict[str, torch.Tensor]]:
