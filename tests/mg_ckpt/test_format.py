@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import random
+import zlib
 
 import pytest
 import torch
@@ -60,7 +61,9 @@ def test_writer_output_is_standard_safetensors(tmp_path):
         assert torch.equal(loaded[name], t)
     with open(path, "rb") as f:
         data = f.read()
-    assert info.size == len(data) and info.sha256 == hashlib.sha256(data).hexdigest()
+    assert info.size == len(data) and info.algorithm == "crc32" and info.digest == f"{zlib.crc32(data):08x}"
+    sha = write_safetensors(path, items, {"format": "pt"}, checksum="sha256")
+    assert sha.size == len(data) and sha.sha256 == hashlib.sha256(data).hexdigest()
     with safe_open(path, "pt") as f:
         assert f.metadata() == {"format": "pt"}
 
@@ -77,7 +80,8 @@ def test_layout_on_disk_and_no_pickle(tmp_path, monkeypatch):
     assert meta["tensors"]["w"]["shape"] == [4, 6] and meta["tensors"]["w"]["dtype"] == "F32"
     assert meta["state"] == {"rng": [1, 2, 3], "lr": 0.5}
     data = (ckpt / "rank_00000.safetensors").read_bytes()
-    assert meta["files"]["rank_00000.safetensors"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert meta["version"] == 2
+    assert meta["files"]["rank_00000.safetensors"] == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
     def refuse(*args, **kwargs):
         raise AssertionError("loading must not unpickle")

@@ -9,7 +9,7 @@ from typing import Any
 from mg_ckpt._io import read_header, torch_dtype
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.load import verify_files
-from mg_ckpt.metadata import read_metadata, resolve_checkpoint
+from mg_ckpt.metadata import file_digests, read_metadata, resolve_checkpoint
 
 __all__ = ["CheckpointReport", "FileReport", "TensorReport", "inspect_checkpoint"]
 
@@ -27,11 +27,12 @@ class TensorReport:
 
 @dataclass(frozen=True)
 class FileReport:
-    """One shard file: size in bytes, recorded SHA-256, tensors stored."""
+    """One shard file: size in bytes, recorded checksum (``algorithm``, hex ``digest``), tensors stored."""
 
     name: str
     size: int
-    sha256: str
+    algorithm: str
+    digest: str
     num_tensors: int
 
 
@@ -60,7 +61,8 @@ class CheckpointReport:
             f"checkpoint {self.path}",
             f"  iteration {self.iteration}, format v{self.format_version}, saved by {self.world_size} ranks",
             f"  layout {self.layout}",
-            f"  {len(self.files)} files, {self.total_bytes / 2**20:.1f} MiB, checksums "
+            f"  {len(self.files)} files, {self.total_bytes / 2**20:.1f} MiB, "
+            + f"{'/'.join(sorted({f.algorithm for f in self.files})) or 'no'} checksums "
             + ("verified" if self.verified else "not checked"),
             f"  state keys: {sorted(self.state)}",
             f"  {len(self.tensors)} tensors:",
@@ -89,7 +91,8 @@ def inspect_checkpoint(path: str, *, verify: bool = True) -> CheckpointReport:
     files = []
     for fname, info in sorted(meta["files"].items()):
         header, _ = read_header(f"{ckpt}/{fname}")
-        files.append(FileReport(fname, info["size"], info["sha256"], len(header)))
+        algorithm, digest = next(iter(file_digests(info).items()))
+        files.append(FileReport(fname, info["size"], algorithm, digest, len(header)))
         for name, t in meta["tensors"].items():
             for p in t["pieces"]:
                 if p["file"] == fname and p["key"] not in header:

@@ -2,12 +2,13 @@
 
 Every saved piece and every wanted piece is turned into boxes of global coordinates (flat ranges
 become up to ``2 * ndim - 1`` contiguous boxes); each non-empty intersection of a wanted box with
-a saved box is one strided copy from a read-only memory map of the shard file into a view of
-the local tensor, so only the pages holding the slices needed are read.
+a saved box is copied once: by positioned reads straight into the local tensor when it is made of
+long contiguous runs (whole pieces, row shards, flat ranges), else by a strided copy from a
+read-only memory map of the shard file (column shards: only the pages holding the slice are read).
 Only safetensors and JSON are ever parsed (no pickle).
 
-Verification (``verify=True``) checks every shard file's size and SHA-256 against
-``metadata.json``. In a multi-rank load the files are split over the ranks, hashed in a background
+Verification (``verify=True``) checks every shard file's size and checksum (CRC-32, or SHA-256 for
+format version 1) against ``metadata.json``. In a multi-rank load the files are split over the ranks, hashed in a background
 thread while the slices are read, and the outcome is shared, so all ranks raise the same error.
 """
 
@@ -26,20 +27,28 @@ import torch
 from safetensors import safe_open
 
 from mg_ckpt import _dist
-from mg_ckpt._io import as_bytes, file_sha256, member_path, read_header, torch_dtype
+from mg_ckpt._io import as_bytes, file_checksums, member_path, read_header, torch_dtype
 from mg_ckpt.errors import CheckpointError
-from mg_ckpt.metadata import read_metadata, resolve_checkpoint
+from mg_ckpt.metadata import file_digests, read_metadata, resolve_checkpoint
 from mg_ckpt.save import finalize
 from mg_ckpt.sharded import Box, ShardedTensor, flat_range_to_boxes, intersect
 
 __all__ = ["load_checkpoint", "verify_files"]
 
-# Below this many contiguous bytes per run, a strided copy through the map beats one read per run.
-_MIN_RUN = 4096
+# Below this many contiguous bytes per run, a strided copy through the map beats one positioned
+# read per run: on the development VM one pread of a 4 KiB run costs about as much as mapping and
+# copying 16 KiB, and the two only break even around 1 MiB runs (measured: per-run reads 4-8x a
+# contiguous read for 1-4 KiB runs, 1.3-1.5x at 64-256 KiB; the map 1.0-1.5x throughout).
+_MIN_RUN = 1 << 20
+# Same-size integer dtypes, so that any stored dtype (bf16, fp8 included) copies through numpy.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def verify_files(ckpt: str, meta: Mapping[str, Any], names: list[str] | None = None) -> None:
-    """Check size and SHA-256 of the shard files ``names`` (default: all) against the metadata.
+    """Check size and checksum of the shard files ``names`` (default: all) against the metadata.
+
+    Each file is read once and checked with every algorithm its entry records (``crc32`` or
+    ``sha256``, see :data:`mg_ckpt._io.CHECKSUM_ALGORITHMS`).
 
     Raises:
         CheckpointError: naming the first missing, truncated or corrupted file.
@@ -53,8 +62,13 @@ def verify_files(ckpt: str, meta: Mapping[str, Any], names: list[str] | None = N
             raise CheckpointError(f"{path}: shard file is missing") from None
         if size != info["size"]:
             raise CheckpointError(f"{path}: has {size} bytes but metadata.json records {info['size']} (truncated or replaced)")
-        if file_sha256(path) != info["sha256"]:
-            raise CheckpointError(f"{path}: SHA-256 checksum mismatch (file corrupted); restore it or load another checkpoint")
+        want = file_digests(info)
+        got = file_checksums(path, list(want))
+        for algorithm, digest in want.items():
+            if got[algorithm] != digest.lower():
+                raise CheckpointError(
+                    f"{path}: {algorithm} checksum mismatch (file corrupted); restore it or load another checkpoint"
+                )
 
 
 def _targets(value: ShardedTensor) -> list[tuple[Box, torch.Tensor]]:
@@ -130,10 +144,10 @@ class _Reader:
     def read_into(self, piece: Mapping[str, Any], src: torch.Tensor, dst: torch.Tensor) -> bool:
         """Copy the stored slice ``src`` (a view of the map) into contiguous CPU ``dst`` with positioned reads.
 
-        Used when ``src`` is made of contiguous runs of at least ``_MIN_RUN`` bytes: each run is
-        one ``preadv`` straight into ``dst`` (a kernel copy, no page faults on the map), which is
-        as fast as a plain sequential read for whole pieces and several times faster than a
-        strided copy through the map for column slices. Returns False (nothing read) otherwise.
+        Used when ``src`` is made of contiguous runs of at least ``_MIN_RUN`` bytes (whole pieces,
+        row slices, flat ranges, wide column slices): each run is one ``preadv`` straight into
+        ``dst`` (a kernel copy, no page faults on the map), as fast as a plain sequential read.
+        Returns False (nothing read) for shorter runs, which are copied through the map instead.
         """
         shape, stride = list(src.shape), list(src.stride())
         j, run = len(shape), 1
@@ -181,6 +195,20 @@ def _read_box(stored: torch.Tensor, src: Box, flat: bool, start: tuple[int, ...]
     return box[tuple(slice(r, r + n) for r, n in zip(rel, shape))]
 
 
+def _copy_from_map(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a (possibly strided) view of a shard's memory map into ``dst``, casting if dtypes differ.
+
+    A same-dtype copy into CPU memory goes through ``numpy.copyto`` on same-size integer views: one
+    thread walks the rows in order, so the map's pages are faulted in sequence (measured 1.1-1.5x
+    faster than torch's multi-threaded strided copy, whose threads contend on the page faults).
+    """
+    if dst.device.type == "cpu" and dst.dtype == src.dtype:
+        as_int = _INT_OF_SIZE[dst.element_size()]
+        np.copyto(dst.detach().view(as_int).numpy(), src.view(as_int).numpy(), casting="no")
+    else:
+        dst.copy_(src)
+
+
 def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Reader) -> None:
     covered = 0
     targets = _targets(value)
@@ -196,7 +224,7 @@ def _fill(name: str, value: ShardedTensor, entry: Mapping[str, Any], reader: _Re
                 dst = view[tuple(slice(s - t, s - t + n) for s, t, n in zip(start, tgt.start, shape))]
                 direct = dst.is_contiguous() and dst.dtype == data.dtype and dst.device.type == "cpu"
                 if not (direct and reader.read_into(piece, data, dst)):
-                    dst.copy_(data)
+                    _copy_from_map(dst, data)
                 covered += math.prod(shape)
     want = sum(b.numel for b, _ in targets)
     if covered != want:
@@ -223,7 +251,7 @@ def load_checkpoint(
         path: a checkpoint directory (``.../iter_N``) or a save directory (its ``latest`` is used).
         state_template: name -> tensor (the whole global tensor) or :class:`ShardedTensor` (this
             rank's piece, described as when saving) to fill.
-        verify: check every shard file's size and SHA-256 (split over ranks) before returning.
+        verify: check every shard file's size and checksum (split over ranks) before returning.
         strict: a template name missing from the checkpoint is an error; otherwise it is left
             untouched and a warning names it.
 

@@ -11,14 +11,16 @@ import os
 import re
 from typing import Any
 
-from mg_ckpt._io import member_path, torch_dtype, write_text_atomic
+from mg_ckpt._io import CHECKSUM_ALGORITHMS, member_path, torch_dtype, write_text_atomic
 from mg_ckpt.errors import CheckpointError
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_FILE",
+    "READABLE_VERSIONS",
     "checkpoint_dir",
+    "file_digests",
     "latest_iteration",
     "list_checkpoints",
     "read_metadata",
@@ -26,7 +28,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "mg-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version written. 2: each file's checksum is keyed by its algorithm (``crc32`` for new files)."""
+READABLE_VERSIONS = (1, 2)
+"""Versions read. 1: every file entry holds ``sha256``; otherwise identical to 2."""
 METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
 _ITER_RE = re.compile(r"iter_(\d{7,})")
@@ -124,12 +129,20 @@ def _ints(value: Any, what: str, n: int | None = None) -> list[int]:
     return value
 
 
+def file_digests(info: Any) -> dict[str, str]:
+    """``{algorithm: hex digest}`` of the checksums a ``files`` entry records that this reader knows."""
+    if not isinstance(info, dict):
+        return {}
+    return {a: info[a] for a in CHECKSUM_ALGORITHMS if isinstance(info.get(a), str)}
+
+
 def validate_metadata(meta: Any, ckpt: str) -> None:
     """Check ``metadata.json`` content: format/version, file names, and that each tensor's pieces tile it.
 
     Every piece must lie inside its tensor; flat ranges of a block must tile the block exactly;
     the blocks' volumes must add up to the tensor's size; every file a piece names must be listed
-    under ``files`` with a size and checksum, and be a plain name inside ``ckpt``.
+    under ``files`` with a size and a checksum of a known algorithm (``sha256`` in version 1), and
+    be a plain name inside ``ckpt``.
 
     Raises:
         CheckpointError: the first inconsistency found, naming the tensor or file.
@@ -137,17 +150,23 @@ def validate_metadata(meta: Any, ckpt: str) -> None:
     where = os.path.join(ckpt, METADATA_FILE)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{where}: not an {FORMAT_NAME} metadata file")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{where}: format version {meta.get('version')!r} is not supported (this mg-ckpt reads {FORMAT_VERSION})"
+            f"{where}: format version {meta.get('version')!r} is not supported (this mg-ckpt reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade mg-ckpt"
         )
     for key, typ in (("iteration", int), ("files", dict), ("tensors", dict), ("state", dict), ("layout", dict)):
         if not isinstance(meta.get(key), typ):
             raise CheckpointError(f"{where}: field {key!r} missing or not a {typ.__name__}")
     for fname, info in meta["files"].items():
         member_path(ckpt, fname, where)
-        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
-            raise CheckpointError(f"{where}: files[{fname!r}] needs an integer 'size' and a 'sha256' string")
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not file_digests(info):
+            raise CheckpointError(
+                f"{where}: files[{fname!r}] needs an integer 'size' and a checksum string under one of the keys "
+                f"{list(CHECKSUM_ALGORITHMS)}"
+            )
+        if meta["version"] == 1 and "sha256" not in info:
+            raise CheckpointError(f"{where}: files[{fname!r}] needs a 'sha256' string (format version 1)")
     for name, t in meta["tensors"].items():
         what = f"{where}: tensor {name!r}"
         if not isinstance(t, dict) or not isinstance(t.get("pieces"), list):

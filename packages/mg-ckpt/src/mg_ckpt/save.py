@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mg_ckpt import _dist
-from mg_ckpt._io import dtype_name, fsync_dir, write_safetensors
+from mg_ckpt._io import DEFAULT_CHECKSUM, dtype_name, fsync_dir, write_safetensors
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.metadata import (
     FORMAT_NAME,
@@ -311,7 +311,7 @@ def _lower_priority() -> None:
 
 def _metadata(iteration, state, tensors, layout, files, world, files_placeholder=False) -> dict[str, Any]:
     if files_placeholder:
-        files = {p["file"]: {"size": 0, "sha256": ""} for t in tensors.values() for p in t["pieces"]}
+        files = {p["file"]: {"size": 0, DEFAULT_CHECKSUM: ""} for t in tensors.values() for p in t["pieces"]}
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -331,7 +331,7 @@ def _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra, lay
         _step("before_write")
         if items:
             info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items)
-            result = (_shard_name(rank), {"size": info.size, "sha256": info.sha256})
+            result = (_shard_name(rank), info.entry())
         _step("after_shard")
     except BaseException as e:
         result = f"rank {rank} failed writing {tmp}/{_shard_name(rank)}: {e!r}"
