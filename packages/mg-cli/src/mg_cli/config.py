@@ -32,17 +32,24 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelSection:
     """The network. Unset fields (null) come from ``preset``."""
 
-    type: Literal["gpt", "bert", "t5"] = _f("gpt", "model family")
-    preset: str | None = _f(None, "named shape to start from, e.g. gpt2-small, tiny-llama; fields below override it")
+    type: Literal["gpt", "bert", "t5"] = _f("gpt", "model family: gpt (causal LM), bert (masked LM + sentence order), "
+                                                  "t5 (encoder-decoder span corruption)")
+    preset: str | None = _f(None, "named shape to start from, e.g. gpt2-small, tiny-llama, bert-base, tiny-bert, "
+                                  "t5-small, tiny-t5 (of the model.type family); fields below override it")
     num_layers: int | None = _f(None, "transformer layers")
     hidden_size: int | None = _f(None, "model width")
     num_attention_heads: int | None = _f(None, "attention heads")
     num_query_groups: int | None = _f(None, "key/value heads for grouped-query attention (null: = heads)")
     ffn_hidden_size: int | None = _f(None, "MLP inner width (null: 4 x hidden, or the preset's)")
-    seq_length: int = _f(256, "tokens per training sample")
+    kv_channels: int | None = _f(None, "per-head dimension (null: hidden / heads, or the preset's)")
+    num_decoder_layers: int | None = _f(None, "t5: decoder layers (null: = num_layers, or the preset's)")
+    seq_length: int = _f(256, "tokens per training sample (t5: encoder input length)")
+    decoder_seq_length: int | None = _f(None, "t5: decoder length (null: the span-corruption targets' length "
+                                              "derived from seq_length as in the T5 paper; larger pads)")
     position_embedding: Literal["learned", "rope", "none"] | None = _f(None, "position embedding kind")
     normalization: Literal["layernorm", "rmsnorm"] | None = _f(None, "normalisation layer")
-    activation: Literal["gelu", "swiglu"] | None = _f(None, "MLP activation")
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "relu", "gated-gelu"] | None = _f(
+        None, "MLP activation (gpt: gelu/gelu_tanh/swiglu; bert: gelu/gelu_tanh; t5: relu/gated-gelu)")
     tie_embeddings: bool | None = _f(None, "share input embedding and output head weights")
     bias: bool | None = _f(None, "biases in linear layers")
     dropout: float = _f(0.0, "attention and hidden dropout probability")
@@ -50,7 +57,8 @@ class ModelSection:
     init_std: float | None = _f(None, "std of the normal weight initialisation")
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "kv_channels", "num_decoder_layers", "decoder_seq_length"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {v}")
@@ -142,6 +150,9 @@ class DataSection:
     num_workers: int = _f(1, "data-loading worker processes per rank (0: load in the training process)")
     cache_dir: str | None = _f(None, "where sample-index caches go (null: next to the data)")
     eod_mask_loss: bool = _f(False, "exclude end-of-document tokens from the loss")
+    sentence_task: Literal["sop", "nsp", "none"] = _f(
+        "sop", "bert: binary target of the sentence pair (sop: sentence order, nsp: next sentence, "
+               "none: no binary head)")
 
 
 @dataclass(kw_only=True)

@@ -20,25 +20,34 @@ def tokenizer() -> None:
 @click.option("--max-lines", type=int, default=1_000_000, help="Lines sampled for training.")
 @click.option("--threads", type=int, default=2)
 @click.option("--user-defined-symbols", default="",
-              help="Comma-separated extra symbols with their own ids, e.g. <cls>,<sep>,<mask> for BERT or "
-                   "<extra_id_0>,... for T5 sentinels.")
+              help="Comma-separated extra symbols with their own ids, e.g. <pad>,<cls>,<sep>,<mask> for BERT, "
+                   "<pad> for T5.")
+@click.option("--extra-ids", type=int, default=0,
+              help="Add the T5 sentinels <extra_id_0> .. <extra_id_{N-1}> as symbols (T5 uses 100).")
 @click.option("--pad-id", type=int, default=-1, help="Id of a padding piece (-1: none).")
 def train(inputs: tuple[str, ...], output_prefix: str, vocab_size: int, model_type: str, json_keys: str,
-          byte_fallback: bool, max_lines: int, threads: int, user_defined_symbols: str, pad_id: int) -> None:
+          byte_fallback: bool, max_lines: int, threads: int, user_defined_symbols: str, extra_ids: int,
+          pad_id: int) -> None:
     """Train a SentencePiece model (ids: unk 0, bos 1, eos 2 = end of document).
 
     \b
     Example:
       mg tokenizer train --input corpus.jsonl --output-prefix tok --vocab-size 8000
+      mg tokenizer train ... --user-defined-symbols '<pad>,<cls>,<sep>,<mask>'     # for BERT
+      mg tokenizer train ... --user-defined-symbols '<pad>' --extra-ids 100      # for T5
     """
     from mg_data import train_sentencepiece
 
+    if extra_ids < 0:
+        raise click.ClickException(f"--extra-ids must be >= 0, got {extra_ids}")
+    symbols = [x.strip() for x in user_defined_symbols.split(",") if x.strip()]
+    symbols += [f"<extra_id_{k}>" for k in range(extra_ids) if f"<extra_id_{k}>" not in symbols]
     try:
         path = train_sentencepiece(
             list(inputs), output_prefix, vocab_size=vocab_size, model_type=model_type,
             json_keys=[k.strip() for k in json_keys.split(",") if k.strip()], byte_fallback=byte_fallback,
             input_sentence_size=max_lines, num_threads=threads, pad_id=pad_id,
-            user_defined_symbols=[x.strip() for x in user_defined_symbols.split(",") if x.strip()],
+            user_defined_symbols=symbols,
         )
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None

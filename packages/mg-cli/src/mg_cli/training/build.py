@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from mg_cli.config import RunConfig
+from mg_cli.training.families import bert_model_config, check_t5_layout, t5_model_config
 from mg_cli.training.setup import TrainingError
 from mg_models import GPTConfig, GPTModel
 from mg_models.presets import PRESETS
@@ -14,7 +15,7 @@ from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
 from mg_parallel.pipeline import partition_layers
-from mg_parallel.recompute import recompute
+from mg_parallel.recompute import RecomputeConfig
 from mg_parallel.tensor_parallel import RNGTracker
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,6 +27,7 @@ _MODEL_KEYS = {
     "num_attention_heads": "num_attention_heads",
     "num_query_groups": "num_query_groups",
     "ffn_hidden_size": "ffn_hidden_size",
+    "kv_channels": "kv_channels",
     "position_embedding": "position_embedding",
     "normalization": "normalization",
     "activation": "activation",
@@ -36,15 +38,23 @@ _MODEL_KEYS = {
 }
 
 
-def model_config(config: RunConfig, vocab_size: int) -> GPTConfig:
-    """The GPT architecture: the preset (if any), the config's explicit fields, the tokenizer's vocabulary.
+def model_config(config: RunConfig, vocab_size: int) -> Any:
+    """The architecture of ``model.type``: the preset (if any), the config's explicit fields, the tokenizer's
+    vocabulary. A ``GPTConfig``, ``BertConfig`` or ``T5Config``.
 
     Raises:
         TrainingError: unknown preset, missing shape fields without a preset, or an invalid combination.
     """
     m = config.model
-    if m.type != "gpt":
-        raise TrainingError(f"model.type={m.type!r} is not supported by this version of mg train; use gpt")
+    if m.type == "bert":
+        return bert_model_config(config, vocab_size)
+    if m.type == "t5":
+        return t5_model_config(config, vocab_size)
+    for key in ("kv_channels", "num_decoder_layers", "decoder_seq_length"):
+        if key != "kv_channels" and getattr(m, key) is not None:
+            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for gpt")
+    if m.activation in ("relu", "gated-gelu"):
+        raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
     fields: dict[str, Any] = {}
     if m.preset is not None:
         if m.preset not in PRESETS:
@@ -67,11 +77,19 @@ def model_config(config: RunConfig, vocab_size: int) -> GPTConfig:
         raise TrainingError(str(e)) from None
 
 
-def check_model_layout(cfg: GPTConfig, config: RunConfig) -> None:
-    """Divisibility of heads, groups, ffn and layers by the layout (no collective)."""
+def check_model_layout(cfg: Any, config: RunConfig) -> None:
+    """Divisibility of heads, groups, ffn and layers by the layout, and what a family cannot do (no collective)."""
     from mg_models.config import check_parallel
 
     p = config.parallel
+    if config.model.type == "t5":
+        check_t5_layout(config)
+        for what, value in (("model.num_attention_heads", cfg.num_attention_heads),
+                            ("model.ffn_hidden_size", cfg.ffn_hidden_size),
+                            ("padded vocabulary (model.make_vocab_size_divisible_by)", cfg.padded_vocab_size)):
+            if value % p.tp:
+                raise TrainingError(f"{what}={value} is not divisible by parallel.tp={p.tp}; choose a tp that divides it")
+        return
     if p.recompute == "selective":
         raise TrainingError("parallel.recompute=selective is not supported by mg train yet; use full (optionally "
                             "with parallel.recompute_num_layers) or none")
@@ -86,31 +104,36 @@ def check_model_layout(cfg: GPTConfig, config: RunConfig) -> None:
         )
 
 
-def build_model_chunks(cfg: GPTConfig, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured."""
+def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:
+    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured.
+
+    GPT and BERT are cut into pipeline stages by layer; T5 is one chunk (pp must be 1).
+    """
     p = config.parallel
-    ranges = partition_layers(cfg.num_layers, p.pp, p.vpp)[grid.pp_rank]
     dtype = PRECISION_DTYPES[config.train.precision]
+    if config.model.type == "t5":
+        from mg_models.t5 import T5Model
+
+        return [T5Model(cfg, grid, seed=config.train.seed, rng_tracker=rng, dtype=dtype)]
+    model_cls = GPTModel
+    if config.model.type == "bert":
+        from mg_models.bert import BertModel
+
+        model_cls = BertModel
+    ranges = partition_layers(cfg.num_layers, p.pp, p.vpp)[grid.pp_rank]
+    # Full recompute of the first recompute_num_layers layers of every chunk (all when null).
+    recompute = RecomputeConfig(granularity="full", num_layers=p.recompute_num_layers) if p.recompute == "full" else None
     chunks = []
     for c, layers in enumerate(ranges):
         first = grid.is_first_stage and c == 0
         last = grid.is_last_stage and c == len(ranges) - 1
-        recompute_fn = None
-        if p.recompute == "full":
-            budget = p.recompute_num_layers
-
-            def recompute_fn(layer, *args, _budget=budget, _start=layers.start, **kw):  # noqa: ANN001
-                index = int(getattr(layer, "layer_number", _start))
-                if _budget is None or index - _start < _budget:
-                    return recompute(layer, *args, rng_tracker=rng, **kw)
-                return layer(*args, **kw)
-        chunks.append(GPTModel(cfg, grid, pre_process=first, post_process=last,
-                               layer_range=(layers.start, layers.stop), sequence_parallel=p.sequence_parallel,
-                               seed=config.train.seed, rng_tracker=rng, recompute=recompute_fn, dtype=dtype))
+        chunks.append(model_cls(cfg, grid, pre_process=first, post_process=last,
+                                layer_range=(layers.start, layers.stop), sequence_parallel=p.sequence_parallel,
+                                seed=config.train.seed, rng_tracker=rng, recompute=recompute, dtype=dtype))
     return chunks
 
 
-def wrap_and_build_optimizer(chunks: list[GPTModel], config: RunConfig, grid: ProcessGrid) -> tuple[list[Any], Any]:
+def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, grid: ProcessGrid) -> tuple[list[Any], Any]:
     """DDP-wrap every chunk and build the (distributed) optimizer."""
     p, o, t = config.parallel, config.optim, config.train
     wrapped = [

@@ -15,29 +15,66 @@ import torch
 
 from mg_cli.config import RunConfig
 from mg_cli.training.setup import TrainingError
-from mg_data import GlobalBatchSampler, GPTDatasetConfig, build_gpt_datasets
+from mg_data import (
+    BertDatasetConfig,
+    GlobalBatchSampler,
+    GPTDatasetConfig,
+    T5DatasetConfig,
+    build_bert_datasets,
+    build_gpt_datasets,
+    build_t5_datasets,
+)
 from mg_data.torch_adapter import build_data_loader
 from mg_parallel.grid import ProcessGrid
+
+
+def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> Any:
+    """The sample-dataset config of ``model.type`` (GPT, BERT sentence pairs, T5 span corruption).
+
+    Raises:
+        TrainingError: the tokenizer lacks a special token the family needs, or a bad length.
+    """
+    from mg_cli.training.families import special_tokens
+
+    d, t, m = config.data, config.train, config.model
+    ids = special_tokens(config, tokenizer)
+    try:
+        if m.type == "bert":
+            return BertDatasetConfig(max_seq_length=m.seq_length, vocab_size=tokenizer.vocab_size, cls_id=ids.cls,
+                                     sep_id=ids.sep, mask_id=ids.mask, pad_id=ids.pad, seed=t.seed, split=d.split,
+                                     cache_dir=cache_dir, sentence_task=d.sentence_task)
+        if m.type == "t5":
+            return T5DatasetConfig(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos,
+                                   pad_id=ids.pad, decoder_seq_length=m.decoder_seq_length, seed=t.seed,
+                                   split=d.split, cache_dir=cache_dir)
+    except ValueError as e:
+        raise TrainingError(f"model.seq_length / model.decoder_seq_length: {e}") from None
+    return GPTDatasetConfig(seq_length=m.seq_length, seed=t.seed, split=d.split, cache_dir=cache_dir,
+                            eod_mask_loss=d.eod_mask_loss, eod_id=ids.eos)
 
 
 class RunData:
     """Train/valid datasets and per-rank micro-batch iterators."""
 
-    def __init__(self, config: RunConfig, grid: ProcessGrid, eod_id: int | None) -> None:
+    def __init__(self, config: RunConfig, grid: ProcessGrid, tokenizer: Any) -> None:
         d, t = config.data, config.train
         self.config = config
         self.grid = grid
         blend = d.path if isinstance(d.path, list) else [d.path]
         cache = d.cache_dir or os.path.join(os.path.dirname(os.path.abspath(str(blend[-1]))), "index-cache")
-        self.ds_config = GPTDatasetConfig(seq_length=config.model.seq_length, seed=t.seed, split=d.split,
-                                          cache_dir=cache, eod_mask_loss=d.eod_mask_loss, eod_id=eod_id)
         gbs = t.global_batch_size
         evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
         wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
+        self.ds_config = dataset_config(config, tokenizer, cache)
+        build = {"gpt": build_gpt_datasets, "bert": build_bert_datasets, "t5": build_t5_datasets}[config.model.type]
         try:
-            self.train_ds, self.valid_ds, _ = build_gpt_datasets(self.ds_config, blend, wanted)
+            self.train_ds, self.valid_ds, _ = build(self.ds_config, blend, wanted)
         except ValueError as e:
-            raise TrainingError(f"data.path: {e}") from None
+            hint = ""
+            if "sentence-split" in str(e):
+                hint = ("; make one with `mg preprocess --split-sentences ...` and set data.path to its "
+                        "PREFIX_text_sentence output")
+            raise TrainingError(f"data.path: {e}{hint}") from None
         if self.train_ds is None:
             raise TrainingError(f"data.split={d.split!r} gives the training split no documents; raise its weight")
         if len(self.train_ds) < gbs:

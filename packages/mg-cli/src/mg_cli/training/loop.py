@@ -128,9 +128,11 @@ def preflight(config: RunConfig, env: Env) -> tuple[Any, Any]:
     except (ValueError, OSError) as e:
         raise TrainingError(f"data.tokenizer_model: {e}") from None
     from mg_cli.training.build import check_model_layout, model_config
+    from mg_cli.training.data import dataset_config
 
     model_cfg = model_config(config, tokenizer.vocab_size)
     check_model_layout(model_cfg, config)
+    dataset_config(config, tokenizer, None)  # the family's special tokens and sample lengths
     return tokenizer, model_cfg
 
 
@@ -149,6 +151,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     from mg_cli.training import checkpointing
     from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
+    from mg_cli.training.families import forward_step_for, logged_losses
     from mg_cli.training.metrics import MetricsLogger
     from mg_cli.training.schedule import LRSchedule
     from mg_models import flops_per_token
@@ -182,7 +185,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         else:  # a new layout has new dropout streams; keep them reproducible
             _reseed(rng, t.seed + start_iter, grid)
 
-    data = RunData(config, grid, tokenizer.eod)
+    data = RunData(config, grid, tokenizer)
     num_micro = data.micro_batches_per_step
     train_iter = data.train_iterator(start_iter * t.global_batch_size)
     valid = data.valid_batches() if config.eval.interval or config.eval.iters else None
@@ -204,21 +207,19 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     seq = config.model.seq_length
     tensor_shape = (seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size)
     forward_backward = get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None)
-    flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full")
+    family = config.model.type
+    # T5: tokens are encoder tokens, and the FLOPs per encoder token include the decoder's share.
+    ds = data.ds_config
+    decoder_len = getattr(ds, "decoder_seq_length", None) or getattr(ds, "decoder_length", None)
+    flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full", decoder_seq_length=decoder_len)
     peak = measure_matmul_peak(dtype, grid.device) * grid.world_size
     stop = _StopFlag()
     stop.install()
     started = time.monotonic()
     fp16 = t.precision == "fp16"
 
-    def forward_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[torch.Tensor, Any]:
-        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
-
-        def loss_fn(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            mask = batch["loss_mask"]
-            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
-            return loss, {}
-        return output, loss_fn
+    forward_step = forward_step_for(family, config.data.sentence_task)
+    extra_losses = logged_losses(family, config.data.sentence_task)
 
     def save(iteration: int) -> None:
         if config.checkpoint.save is None:
@@ -229,6 +230,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
             "rng": checkpointing.gather_rng(rng),
             "layout_key": _layout_key(grid, config),
             "config": config.to_dict(),
+            "model_family": family,
             "model_config": model_cfg.to_dict(),
             "tokenizer_model": os.path.abspath(config.data.tokenizer_model),
         }
@@ -265,6 +267,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
                                       dtype=dtype, scale_loss=optimizer.scale_loss if fp16 else None)
             applied, grad_norm = optimizer.step()
             loss = float(average_losses(losses, grid))
+            parts = {k: float(average_losses(losses, grid, key=k)) for k in extra_losses}
             if grid.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -277,7 +280,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
             tokens_per_s = t.global_batch_size * seq / dt
             if iteration % config.log.interval == 0 or iteration == t.iters:
                 logger.log({
-                    "iteration": iteration, "loss": loss, "lr": lr,
+                    "iteration": iteration, "loss": loss, **parts, "lr": lr,
                     "grad_norm": float(grad_norm) if grad_norm is not None else None,
                     "tokens_per_s": tokens_per_s, "mfu": flops_tok * tokens_per_s / peak,
                     "step_time_s": dt, "peak_mem_bytes": _peak_mem(grid.device), "skipped": not applied,

@@ -66,7 +66,8 @@ class MetricsLogger:
                 self._bar.write(f"iteration {it}: validation loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}")
         else:
             parts = [f"iteration {it}"]
-            for k in ("loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "mfu"):
+            for k in ("loss", "lm_loss", "sop_loss", "nsp_loss", "val_loss", "val_ppl", "lr", "grad_norm",
+                      "tokens_per_s", "mfu"):
                 if k in record and record[k] is not None:
                     v = record[k]
                     parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")

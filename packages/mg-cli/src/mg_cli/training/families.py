@@ -1,0 +1,273 @@
+"""What differs between the model families of ``mg train`` (gpt, bert, t5), in one place.
+
+* the architecture: preset + explicit ``model.*`` keys -> ``GPTConfig`` / ``BertConfig`` / ``T5Config``;
+* the special tokens a family's samples need from the tokenizer (BERT: ``<cls> <sep> <mask>`` and
+  padding; T5: padding, end of sequence and the ``<extra_id_k>`` sentinels);
+* the loss of one micro-batch (``forward_step`` for the pipeline schedules).
+
+Losses, all means over one micro-batch (the schedules then average micro-batches, and data-parallel
+replicas, so the logged loss does not depend on the layout):
+
+* gpt: mean token loss over ``loss_mask``;
+* bert: masked-LM mean over the masked tokens + cross entropy of the binary (sentence-order or
+  next-sentence) head over the samples; ``lm_loss`` and ``sop_loss`` / ``nsp_loss`` are logged too;
+* t5: mean decoder token loss over the targets (``loss_mask``); logged as ``loss`` and ``lm_loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mg_cli.config import RunConfig
+from mg_cli.training.setup import TrainingError
+
+FAMILIES = ("gpt", "bert", "t5")
+
+# RunConfig.model key -> BertConfig field (BertConfig is a GPTConfig; GPT-only keys are rejected by it).
+_BERT_KEYS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups", "ffn_hidden_size": "ffn_hidden_size", "kv_channels": "kv_channels",
+    "position_embedding": "position_embedding", "normalization": "normalization", "activation": "activation",
+    "tie_embeddings": "tie_word_embeddings", "bias": "add_bias_linear", "init_std": "init_method_std",
+}
+# RunConfig.model key -> T5Config field
+_T5_KEYS = {
+    "num_layers": "num_layers", "num_decoder_layers": "num_decoder_layers", "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels", "ffn_hidden_size": "ffn_hidden_size",
+    "activation": "activation", "tie_embeddings": "tie_word_embeddings",
+}
+_T5_UNUSED = ("num_query_groups", "position_embedding", "normalization", "bias", "rotary_base", "init_std")
+_GPT_ONLY = ("num_decoder_layers", "decoder_seq_length")
+
+BERT_SYMBOLS = "<pad>,<cls>,<sep>,<mask>"
+
+
+def _preset_fields(family: str, name: str, presets: dict[str, Any]) -> dict[str, Any]:
+    if name not in presets:
+        raise TrainingError(f"model.preset={name!r} is not a {family.upper()} preset (model.type={family}); "
+                            f"choose one of {sorted(presets)}")
+    return dict(presets[name])
+
+
+def _explicit(config: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
+    m = config.model
+    return {target: getattr(m, key) for key, target in keys.items() if getattr(m, key) is not None}
+
+
+def bert_model_config(config: RunConfig, vocab_size: int) -> Any:
+    """The BERT architecture: ``model.preset`` (a BERT preset), explicit keys, the tokenizer's vocabulary.
+
+    Raises:
+        TrainingError: unknown preset, missing shape without a preset, a key BERT cannot use.
+    """
+    from mg_models.bert import BERT_PRESETS, BertConfig
+
+    m = config.model
+    for key in _GPT_ONLY:
+        if getattr(m, key) is not None:
+            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for bert")
+    if m.rotary_base is not None:
+        raise TrainingError("model.rotary_base is not used by BERT (learned positions); leave it unset")
+    fields = _preset_fields("bert", m.preset, BERT_PRESETS) if m.preset is not None else {}
+    fields.update(_explicit(config, _BERT_KEYS))
+    _require_shape(fields)
+    fields.update(vocab_size=vocab_size, attention_dropout=m.dropout, hidden_dropout=m.dropout,
+                  add_binary_head=config.data.sentence_task != "none")
+    fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
+    try:
+        return BertConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+
+
+def t5_model_config(config: RunConfig, vocab_size: int) -> Any:
+    """The T5 architecture: ``model.preset`` (a T5 preset), explicit keys, the tokenizer's vocabulary.
+
+    Raises:
+        TrainingError: unknown preset, missing shape without a preset, a key T5 cannot use.
+    """
+    from mg_models.t5 import T5_PRESETS, T5Config
+
+    m = config.model
+    for key in _T5_UNUSED:
+        if getattr(m, key) is not None:
+            raise TrainingError(f"model.{key} is not used by T5 (relative position bias, RMSNorm, no biases); "
+                                f"leave it unset for model.type=t5")
+    fields = _preset_fields("t5", m.preset, T5_PRESETS) if m.preset is not None else {}
+    fields.update(_explicit(config, _T5_KEYS))
+    _require_shape(fields)
+    if "kv_channels" not in fields:
+        fields["kv_channels"] = fields["hidden_size"] // fields["num_attention_heads"]
+    fields.setdefault("ffn_hidden_size", 4 * fields["hidden_size"])
+    fields.update(vocab_size=vocab_size, dropout=m.dropout)
+    try:
+        return T5Config(**fields)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+
+
+def _require_shape(fields: dict[str, Any]) -> None:
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in fields]
+    if missing:
+        raise TrainingError(f"model.{missing[0]} is not set and model.preset is not given; set a preset or the shape")
+
+
+def check_t5_layout(config: RunConfig) -> None:
+    """What T5 training does not support, as one-line errors naming the key."""
+    p = config.parallel
+    if p.pp > 1:
+        raise TrainingError(f"parallel.pp={p.pp}: pipeline parallelism is not supported for model.type=t5; "
+                            f"use parallel.pp=1 with tensor (parallel.tp) and data parallelism")
+    if p.sequence_parallel:
+        raise TrainingError("parallel.sequence_parallel is not supported for model.type=t5; set it to false")
+    if p.recompute != "none":
+        raise TrainingError(f"parallel.recompute={p.recompute} is not supported for model.type=t5; set it to none")
+
+
+# ----------------------------------------------------------------------------------------------- tokens
+
+
+def _piece_id(tokenizer: Any, pieces: tuple[str, ...]) -> int | None:
+    """Id of the first of ``pieces`` the tokenizer holds as one token (SentencePiece or Hugging Face)."""
+    sp = getattr(tokenizer, "sp", None)
+    tok = getattr(tokenizer, "tok", None)
+    for piece in pieces:
+        if sp is not None:
+            i = sp.piece_to_id(piece)
+            if i != sp.unk_id() and sp.id_to_piece(i) == piece:
+                return int(i)
+        elif tok is not None:
+            i = tok.token_to_id(piece)
+            if i is not None:
+                return int(i)
+    return None
+
+
+@dataclass
+class SpecialTokens:
+    """Ids of the special tokens a family's samples use (None where the family needs none)."""
+
+    pad: int | None = None
+    eos: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+    sentinels: list[int] | None = None
+
+
+def _missing(model_type: str, what: str, tokenizer_path: str, fix: str) -> TrainingError:
+    return TrainingError(f"data.tokenizer_model: {tokenizer_path} has no {what}, which model.type={model_type} needs; "
+                         f"train a tokenizer with it: `mg tokenizer train --input ... --output-prefix ... {fix}` "
+                         f"(then rerun `mg preprocess` with it)")
+
+
+def t5_lengths(encoder_length: int) -> tuple[int, int]:
+    """``(decoder targets length, noise spans per sample)`` for an encoder length (T5 paper formula, mg-data).
+
+    Raises:
+        TrainingError: ``encoder_length`` too short for span corruption.
+    """
+    from mg_data import T5DatasetConfig
+
+    try:
+        probe = T5DatasetConfig(encoder_seq_length=encoder_length, sentinel_ids=range(encoder_length), eos_id=0,
+                                pad_id=0)
+    except ValueError as e:
+        raise TrainingError(f"model.seq_length={encoder_length}: {e}") from None
+    return probe.decoder_length, probe.num_noise_spans
+
+
+def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
+    """The special-token ids ``config.model.type`` needs, looked up in the tokenizer.
+
+    Raises:
+        TrainingError: a needed token is missing; the message gives the ``mg tokenizer train`` options
+            that add it.
+    """
+    family, path = config.model.type, str(config.data.tokenizer_model)
+    if family == "gpt":
+        return SpecialTokens(eos=tokenizer.eod)
+    pad = tokenizer.pad if tokenizer.pad is not None else _piece_id(tokenizer, ("<pad>", "[PAD]"))
+    if family == "bert":
+        fix = f"--user-defined-symbols '{BERT_SYMBOLS}'"
+        ids = {"padding token <pad>": pad,
+               "<cls> token": _piece_id(tokenizer, ("<cls>", "[CLS]")),
+               "<sep> token": _piece_id(tokenizer, ("<sep>", "[SEP]")),
+               "<mask> token": tokenizer.mask if tokenizer.mask is not None else _piece_id(tokenizer, ("<mask>",
+                                                                                                       "[MASK]"))}
+        for what, value in ids.items():
+            if value is None:
+                raise _missing(family, what, path, fix)
+        pad, cls, sep, mask = ids.values()
+        return SpecialTokens(pad=pad, cls=cls, sep=sep, mask=mask)
+    _, spans = t5_lengths(config.model.seq_length)
+    fix = f"--user-defined-symbols '<pad>' --extra-ids {max(100, spans)}"
+    if pad is None:
+        raise _missing(family, "padding token <pad>", path, fix)
+    if tokenizer.eod is None:
+        raise _missing(family, "end-of-sequence token </s>", path, fix)
+    sentinels = []
+    for k in range(spans):
+        i = _piece_id(tokenizer, (f"<extra_id_{k}>",))
+        if i is None:
+            raise _missing(family, f"sentinel token <extra_id_{k}> (model.seq_length={config.model.seq_length} "
+                           f"needs {spans} sentinels, <extra_id_0>..<extra_id_{spans - 1}>)", path, fix)
+        sentinels.append(i)
+    return SpecialTokens(pad=pad, eos=tokenizer.eod, sentinels=sentinels)
+
+
+# ------------------------------------------------------------------------------------------------- loss
+
+
+def forward_step_for(family: str, sentence_task: str = "sop") -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
+    """``forward_step(batch, chunk) -> (output, loss_fn)`` of ``family`` for the pipeline schedules.
+
+    ``loss_fn(output) -> (loss, logs)``: the micro-batch loss (see the module docstring) and the
+    detached parts (``lm_loss``, ``sop_loss``/``nsp_loss``) to log.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.float()
+        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+    def gpt_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+        return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
+
+    def bert_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        # Every stage gets the padding mask (attention); the first the ids, the last the targets.
+        output = chunk(batch["text"], batch["types"], batch["padding_mask"], lm_labels=batch["labels"])
+
+        def loss_fn(out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, dict[str, Any]]:
+            lm, binary = out
+            lm_loss = masked_mean(lm, batch["loss_mask"])
+            if binary is None:
+                return lm_loss, {"lm_loss": lm_loss.detach()}
+            binary_loss = F.cross_entropy(binary.float(), batch["is_random"])
+            return lm_loss + binary_loss, {"lm_loss": lm_loss.detach(),
+                                           f"{sentence_task}_loss": binary_loss.detach()}
+        return output, loss_fn
+
+    def t5_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        # Decoder padding follows every target, so the causal mask alone keeps real positions off it.
+        per_token, _ = chunk(batch["text_enc"], batch["text_dec"], batch["enc_mask"], labels=batch["labels"])
+
+        def loss_fn(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            loss = masked_mean(out, batch["loss_mask"])
+            return loss, {"lm_loss": loss.detach()}
+        return per_token, loss_fn
+
+    return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]
+
+
+def logged_losses(family: str, sentence_task: str) -> tuple[str, ...]:
+    """Keys of a micro-batch's logs averaged and logged besides ``loss``."""
+    if family == "bert":
+        return ("lm_loss",) if sentence_task == "none" else ("lm_loss", f"{sentence_task}_loss")
+    if family == "t5":
+        return ("lm_loss",)
+    return ()
