@@ -15,7 +15,9 @@ Protocol (every rank, collectively when ``torch.distributed`` is initialised):
 
 Steps 4-5 run in a background thread for ``async_save=True``; the commit then happens as soon as
 every rank's writes are done, without waiting for the main thread (the coordination group is a
-dedicated gloo group, see :mod:`mg_ckpt._dist`).
+dedicated gloo group, see :mod:`mg_ckpt._dist`). With ``background_snapshot=True`` the copy of
+step 4 also runs in that thread (a side stream for CUDA tensors) and the caller must call
+:func:`wait_for_snapshot` before it next modifies the saved tensors (the optimizer step).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from mg_ckpt import _dist
@@ -46,7 +49,7 @@ from mg_ckpt.metadata import (
 )
 from mg_ckpt.sharded import ShardedTensor
 
-__all__ = ["SaveHandle", "finalize", "release_staging_buffers", "save_checkpoint"]
+__all__ = ["SaveHandle", "finalize", "release_staging_buffers", "save_checkpoint", "wait_for_snapshot"]
 
 # Test hook for crash injection: called with the name of each commit step (see _step).
 _fault_hook: Callable[[str], None] | None = None
@@ -72,10 +75,27 @@ class SaveHandle:
         """The iteration saved."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copy: _SnapshotCopy | None = None
 
     def done(self) -> bool:
         """True once the save finished (committed or failed)."""
         return self._thread is None or not self._thread.is_alive()
+
+    def snapshot_done(self) -> bool:
+        """True once the saved tensors are no longer read: the state may be modified in place.
+
+        Always true when ``save_checkpoint`` returns, except with ``background_snapshot=True``.
+        """
+        return self._copy is None or self._copy.done.is_set()
+
+    def wait_snapshot(self) -> None:
+        """Block until :meth:`snapshot_done`; on CPU the caller helps with the remaining copies.
+
+        A failed copy does not raise here: the save then fails and :meth:`wait` raises.
+        """
+        if self._copy is not None:
+            self._copy.run()
+            self._copy.done.wait()
 
     def wait(self) -> None:
         """Block until the checkpoint is committed.
@@ -91,6 +111,20 @@ class SaveHandle:
             if isinstance(self._error, CheckpointError):
                 raise self._error
             raise CheckpointError(f"saving {self.path} failed: {self._error!r}") from self._error
+
+
+def wait_for_snapshot() -> None:
+    """Block until every pending asynchronous save has copied the state it saves (see ``background_snapshot``).
+
+    Call it before modifying saved tensors in place after a ``save_checkpoint(...,
+    background_snapshot=True)``, e.g. right before ``optimizer.step()``; forward and backward may
+    run before it, as they only read parameters and optimizer state. On CPU the caller copies
+    what the background thread has not yet copied, so it never waits longer than a blocking copy.
+    Returns at once when no such copy is pending. Never raises: failures come from
+    ``SaveHandle.wait``, :func:`finalize` or the next save.
+    """
+    for handle in list(_PENDING):
+        handle.wait_snapshot()
 
 
 def finalize() -> None:
@@ -172,18 +206,114 @@ def _shard_name(rank: int) -> str:
 _STAGING: dict[tuple, torch.Tensor] = {}
 
 
-def _snapshot(name: str, t: torch.Tensor, copy: bool) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type == "cpu" and not copy:
-        return t if t.is_contiguous() else t.contiguous()
+_COPY_CHUNK = 8 << 20  # bytes per unit of work shared between the save thread and a waiting caller
+
+
+def _staging(name: str, t: torch.Tensor, keep: bool) -> torch.Tensor:
     key = (name, tuple(t.shape), t.dtype, t.device.type)
     out = _STAGING.get(key)
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-    out.copy_(t, non_blocking=out.is_pinned())
-    if copy:
-        _STAGING[key] = out
+        if keep:
+            _STAGING[key] = out
     return out
+
+
+def _snapshot(name: str, t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu" and not copy:
+        return t if t.is_contiguous() else t.contiguous()
+    out = _staging(name, t, keep=copy)
+    out.copy_(t, non_blocking=out.is_pinned())
+    return out
+
+
+class _SnapshotCopy:
+    """The copies of this rank's pieces into staging memory, done in the background.
+
+    CPU tensors are cut into chunks of ``_COPY_CHUNK`` bytes that the save thread and any caller
+    of :meth:`run` take in turn (single-threaded numpy copies, which release the GIL and stay out
+    of torch's intra-op pool, busy with the training step). CUDA tensors are copied on a side
+    stream that first waits for the work queued before the save call, into pinned memory.
+    ``done`` is set when every copy has finished (or failed: ``error``).
+    """
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._stream: Any = None
+        for dst, src in pairs:
+            if src.device.type == "cpu":
+                self._chunks += _chunked(dst, src)
+            else:
+                self._device.append((dst, src))
+        if self._device:
+            if any(src.device.type != "cuda" for _, src in self._device):
+                raise ValueError("background_snapshot supports CPU and CUDA tensors only; pass background_snapshot=False")
+            self._stream = torch.cuda.Stream(device=self._device[0][1].device)
+            self._stream.wait_stream(torch.cuda.current_stream(self._device[0][1].device))
+            for _, src in self._device:
+                src.record_stream(self._stream)  # the allocator must not reuse it before the copy ran
+        self._next = 0
+        self._left = len(self._chunks) + (1 if self._device else 0)
+        if not self._left:
+            self.done.set()
+
+    def _finished(self, error: BaseException | None) -> None:
+        with self._lock:
+            self.error = self.error or error
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
+
+    def release(self) -> None:
+        """Drop the references to the caller's tensors (once ``done``)."""
+        with self._lock:
+            self._next = 0
+            self._chunks, self._device = [], []
+
+    def run_device(self) -> None:
+        """Issue the accelerator copies on the side stream and wait for them (the save thread only)."""
+        if not self._device:
+            return
+        error = None
+        try:
+            with torch.cuda.stream(self._stream):
+                for dst, src in self._device:
+                    dst.copy_(src, non_blocking=True)
+            self._stream.synchronize()
+        except BaseException as e:
+            error = e
+        self._finished(error)
+
+    def run(self) -> None:
+        """Copy CPU chunks until none is left to take (others may still be in progress)."""
+        while True:
+            with self._lock:
+                if self._next >= len(self._chunks):
+                    return
+                dst, src = self._chunks[self._next]
+                self._next += 1
+            error = None
+            try:
+                if dst.dtype == src.dtype and src.is_contiguous():
+                    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+                else:
+                    dst.copy_(src)
+            except BaseException as e:
+                error = e
+            self._finished(error)
+
+
+def _chunked(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if not src.is_contiguous() or src.numel() == 0:
+        return [(dst, src)]
+    d, s = dst.view(-1), src.view(-1)
+    step = max(1, _COPY_CHUNK // src.element_size())
+    return [(d[i : i + step], s[i : i + step]) for i in range(0, s.numel(), step)]
 
 
 def release_staging_buffers() -> None:
@@ -200,6 +330,7 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     layout: Mapping[str, Any] | None = None,
     async_save: bool = False,
+    background_snapshot: bool = False,
     keep_last: int | None = None,
 ) -> SaveHandle:
     """Save ``state`` as checkpoint ``save_dir/iter_{iteration:07d}`` and point ``save_dir/latest`` at it.
@@ -217,6 +348,13 @@ def save_checkpoint(
         layout: JSON-able description of the parallel layout saved from (recorded, informative).
         async_save: copy the state to CPU memory and write it in a background thread; call
             ``handle.wait()``, :func:`finalize`, or the next save/load waits for it.
+        background_snapshot: with ``async_save``, return before the copy to CPU memory is made:
+            the background thread makes it (on CUDA, on a side stream into pinned memory) while
+            the caller goes on. The caller MUST then call :func:`wait_for_snapshot` (or
+            ``handle.wait_snapshot()``) before modifying any saved tensor in place, e.g. right
+            before ``optimizer.step()``; a modification before that may reach the checkpoint.
+            The next save, load and :func:`finalize` wait for the copy too. Off by default: the
+            call then returns only once the copy is made, so nothing is required of the caller.
         keep_last: after committing, delete all but this many newest checkpoints (by iteration;
             the one just saved is always kept). ``None`` keeps everything.
 
@@ -224,7 +362,8 @@ def save_checkpoint(
         A :class:`SaveHandle` (already finished unless ``async_save``).
 
     Raises:
-        ValueError: bad arguments (negative iteration, non-JSON ``extra``, bad ``keep_last``).
+        ValueError: bad arguments (negative iteration, non-JSON ``extra``, bad ``keep_last``,
+            ``background_snapshot`` without ``async_save``).
         CheckpointError: a state value that is not a tensor (on any rank), inconsistent
             descriptions across ranks, an unwritable ``save_dir``, or a write/commit failure
             (for asynchronous saves, raised by ``wait()``).
@@ -232,6 +371,8 @@ def save_checkpoint(
     finalize()
     if not isinstance(iteration, int) or iteration < 0:
         raise ValueError(f"save_checkpoint: iteration must be a non-negative int, got {iteration!r}")
+    if background_snapshot and not async_save:
+        raise ValueError("save_checkpoint: background_snapshot=True needs async_save=True")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save_checkpoint: keep_last must be None or an int >= 1, got {keep_last!r}")
     try:
@@ -277,16 +418,39 @@ def save_checkpoint(
         live = {(n, tuple(p.local.shape), p.local.dtype, p.local.device.type) for n, p in pieces.items()}
         for key in [k for k in _STAGING if k not in live]:
             del _STAGING[key]
-    items = [(name, _snapshot(name, pieces[name].local, copy=async_save)) for name in writes.get(rank, [])]
-    if any(t.is_pinned() for _, t in items):
-        torch.cuda.current_stream().synchronize()  # the pinned copies were issued non_blocking
     handle = SaveHandle(ckpt, iteration)
+    mine_to_write = writes.get(rank, [])
+    if background_snapshot:
+        srcs = {name: pieces[name].local.detach() for name in mine_to_write}
+        items = [(name, _staging(name, t, keep=True)) for name, t in srcs.items()]
+        handle._copy = _SnapshotCopy([(out, srcs[name]) for name, out in items])
+        srcs.clear()  # the copy tasks hold what they need; the state is not referenced longer
+    else:
+        items = [(name, _snapshot(name, pieces[name].local, copy=async_save)) for name in mine_to_write]
+        if any(t.is_pinned() for _, t in items):
+            torch.cuda.current_stream().synchronize()  # the pinned copies were issued non_blocking
+
+    def take_snapshot() -> None:
+        copy = handle._copy
+        if copy is not None:
+            _step("before_snapshot")
+            copy.run_device()
+            copy.run()
+            copy.done.wait()
+            copy.release()
+            if copy.error is not None:
+                raise copy.error
 
     def finish() -> None:
-        if async_save:
-            _lower_priority()
         try:
-            _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra_json, layout_json, world, rank, grp, keep_last)
+            if async_save:
+                # The copy runs at normal priority (it competes with training only until the
+                # caller's wait_for_snapshot); the writing that follows yields the cores.
+                _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra_json, layout_json, world, rank,
+                                  grp, keep_last, before_write=lambda: (take_snapshot(), _lower_priority()))
+            else:
+                _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra_json, layout_json, world, rank,
+                                  grp, keep_last)
         except BaseException as e:  # re-raised by wait(); never swallowed
             handle._error = e
 
@@ -324,10 +488,14 @@ def _metadata(iteration, state, tensors, layout, files, world, files_placeholder
     }
 
 
-def _write_and_commit(save_dir, iteration, tmp, ckpt, items, tensors, extra, layout, world, rank, grp, keep_last) -> None:
+def _write_and_commit(
+    save_dir, iteration, tmp, ckpt, items, tensors, extra, layout, world, rank, grp, keep_last, before_write=None
+) -> None:
     result: Any
     try:
         result = None
+        if before_write is not None:
+            before_write()  # the background snapshot: a failure here fails the save on every rank
         _step("before_write")
         if items:
             info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items)
