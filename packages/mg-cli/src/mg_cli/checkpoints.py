@@ -1,7 +1,9 @@
 """Whole-model access to mg training checkpoints (single process), for generate/convert/inspect.
 
 Training checkpoints store each parameter as ``model/<name>`` with its global shape, so any
-layout's checkpoint reads back as one unsharded state dict here.
+layout's checkpoint reads back as one unsharded state dict here. The model family comes from
+``extra["model_family"]`` ("gpt", "bert" or "t5"; checkpoints without it are GPT) and its
+configuration from ``extra["model_config"]``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where tensors are made, so importing this module stays cheap
     import torch
 
+MODEL_PREFIX = "model/"
+"""Prefix of the model parameters among a checkpoint's tensors."""
+
 
 def is_mg_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True for an ``iter_*`` directory holding metadata.json or a save directory with ``latest``."""
@@ -20,33 +25,49 @@ def is_mg_checkpoint(path: str | os.PathLike[str]) -> bool:
     return (p / "metadata.json").is_file() or (p / "latest").is_file()
 
 
+def model_family(extra: dict[str, Any]) -> str:
+    """The model family recorded in a checkpoint's state ("gpt" when absent, as in older checkpoints)."""
+    return str(extra.get("model_family", "gpt"))
+
+
+def config_from_state(extra: dict[str, Any], where: str) -> Any:
+    """The model config (GPTConfig, BertConfig or T5Config) recorded in a checkpoint's state.
+
+    Raises:
+        ValueError: no ``model_config`` (not written by ``mg train``/``mg convert``), an unknown
+            family or config keys (naming ``where``).
+    """
+    from mg_models.hf import model_config_from_dict
+
+    if "model_config" not in extra:
+        raise ValueError(f"{where}: no model_config in the checkpoint state; it was not written by mg train/convert")
+    try:
+        return model_config_from_dict(model_family(extra), extra["model_config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {str(e).splitlines()[0]}") from None
+
+
 def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
                        ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
-    """``(GPTConfig, unsharded model state, training state)`` of an mg checkpoint.
+    """``(model config, unsharded model state, training state)`` of an mg checkpoint of any family.
+
+    The metadata is read once; with ``with_state`` every ``model/`` tensor is assembled from its
+    pieces (any layout). A GPT with tied embeddings gets no ``output_layer.weight``.
 
     Raises:
         mg_ckpt.CheckpointError: unreadable or corrupt checkpoint (names the file).
-        ValueError: the checkpoint carries no model configuration (not written by ``mg train``/``mg convert``).
+        ValueError: the checkpoint carries no (or an unknown) model configuration.
     """
-    import torch
+    from mg_ckpt import CheckpointReader
 
-    from mg_ckpt import inspect_checkpoint, load_checkpoint
-    from mg_models import GPTConfig
-
-    report = inspect_checkpoint(str(path), verify=False)
-    extra = report.state
-    if "model_config" not in extra:
-        raise ValueError(f"{report.path}: no model_config in the checkpoint state; it was not written by mg train/convert")
-    config = GPTConfig.from_dict(extra["model_config"])
+    reader = CheckpointReader(str(path), verify=False)
+    extra = reader.extra
+    config = config_from_state(extra, reader.path)
     state: dict[str, torch.Tensor] = {}
     if with_state:
-        from mg_ckpt._io import torch_dtype
-
-        template = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype, t.name))
-                    for t in report.tensors if t.name.startswith("model/")}
-        load_checkpoint(report.path, template)
-        state = {k[len("model/"):]: v for k, v in template.items()}
-        if config.tie_word_embeddings:
+        names = [n for n in reader.specs if n.startswith(MODEL_PREFIX)]
+        state = {k[len(MODEL_PREFIX):]: v for k, v in reader.read(names).items()}
+        if model_family(extra) == "gpt" and config.tie_word_embeddings:
             state.pop("output_layer.weight", None)
     return config, state, extra
 
@@ -59,7 +80,7 @@ def _loader(path: Path) -> tuple[Any, dict[str, torch.Tensor]] | None:
 
 
 def register() -> None:
-    """Let ``mg_models.load_pretrained`` open mg checkpoints."""
+    """Let ``mg_models.load_pretrained`` open mg checkpoints (all families)."""
     from mg_models import register_checkpoint_loader
 
     register_checkpoint_loader(_loader)

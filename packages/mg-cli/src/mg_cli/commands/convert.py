@@ -1,15 +1,23 @@
-"""``mg convert``: Hugging Face model directories to mg checkpoints and back."""
+"""``mg convert``: Hugging Face model directories to mg checkpoints and back, one tensor group at a time.
+
+Neither direction holds the model in memory: the tensors' shapes are planned from the source's
+headers first (the conversions run on ``meta`` tensors), then each small group of tensors (one
+tensor, or a layer's q/k/v) is read, converted and written straight to its output file before
+the next is read. A model larger than the machine's memory converts.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import click
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "generation_config.json")
+                    "vocab.json", "merges.txt", "generation_config.json", "spiece.model", "vocab.txt")
+_GPT_TYPES = ("gpt2", "llama", "mistral")
 
 
 @click.command("convert", context_settings={"show_default": True})
@@ -21,21 +29,23 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
               help="Directory to write (mg: a save directory; hf: a model directory).")
 @click.option("--tp", type=int, default=1, help="Intended tensor-parallel size (recorded; any layout can load it).")
 @click.option("--pp", type=int, default=1, help="Intended pipeline-parallel size (recorded; any layout can load it).")
-@click.option("--model-type", type=click.Choice(["gpt2", "llama", "mistral"]), default=None,
-              help="Hugging Face architecture to export (default: the one recorded, else llama/gpt2 by shape).")
-@click.option("--max-shard-gb", type=float, default=5.0, help="Largest Hugging Face shard file, GB.")
+@click.option("--model-type", type=click.Choice([*_GPT_TYPES, "bert", "t5"]), default=None,
+              help="Hugging Face architecture to export (default: the one recorded, else by family and shape).")
+@click.option("--max-shard-gb", type=float, default=5.0, help="Largest output shard file, GB.")
 @click.option("--tokenizer-dir", type=click.Path(path_type=Path), default=None,
               help="Copy tokenizer files from this directory into the Hugging Face output.")
 def convert(source: str | None, target: str | None, input_path: Path, output_path: Path, tp: int, pp: int,
             model_type: str | None, max_shard_gb: float, tokenizer_dir: Path | None) -> None:
-    """Convert between Hugging Face (GPT-2, Llama, Mistral) and mg checkpoints.
+    """Convert between Hugging Face (GPT-2, Llama, Mistral, BERT, T5) and mg checkpoints.
 
     mg checkpoints store global tensors, so one converted checkpoint loads at any tp/pp/dp.
+    Conversion streams: memory holds one tensor (or one layer's q/k/v) at a time.
 
     \b
     Examples:
       mg convert --from hf --input ./llama-hf --output ./ckpt --tp 2
       mg convert --to hf --input ./ckpt --output ./export --tokenizer-dir ./llama-hf
+      mg convert --from hf --input ./t5-small-hf --output ./t5-ckpt
     """
     from mg_cli.checkpoints import is_mg_checkpoint
 
@@ -45,11 +55,14 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
         target = "hf" if source == "mg" else "mg"
     if source == target:
         raise click.ClickException(f"--from {source} --to {target}: nothing to convert")
+    if max_shard_gb <= 0:
+        raise click.ClickException(f"--max-shard-gb={max_shard_gb} must be > 0")
+    max_shard_bytes = max(1, int(max_shard_gb * 1e9))
     try:
         if source == "hf":
-            _hf_to_mg(input_path, output_path, tp, pp)
+            _hf_to_mg(input_path, output_path, tp, pp, max_shard_bytes)
         else:
-            _mg_to_hf(input_path, output_path, model_type, int(max_shard_gb * 1e9), tokenizer_dir)
+            _mg_to_hf(input_path, output_path, model_type, max_shard_bytes, tokenizer_dir)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None
     except Exception as e:
@@ -58,41 +71,101 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
         raise
 
 
-def _hf_to_mg(src: Path, out: Path, tp: int, pp: int) -> None:
-    from mg_ckpt import save_checkpoint
+def _check_layout(config: Any, family: str, tp: int, pp: int) -> None:
+    if family == "t5":
+        if pp != 1:
+            raise ValueError(f"--pp {pp}: pipeline parallelism is not supported for T5; use --pp 1")
+        for what, value in (("num_heads", config.num_attention_heads), ("d_ff", config.ffn_hidden_size)):
+            if value % tp:
+                raise ValueError(f"config.json {what}={value} is not divisible by --tp {tp}; choose a tp that divides it")
+        return
     from mg_models.config import check_parallel
-    from mg_models.hf import read_hf_directory
 
-    config, state, model_type = read_hf_directory(src)
     check_parallel(config, tp, pp)
-    extra = {"iteration": 0, "model_config": config.to_dict(), "hf_model_type": model_type,
+
+
+def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> None:
+    from mg_ckpt import HFSafetensorsReader, StreamingCheckpointWriter
+    from mg_cli.checkpoints import MODEL_PREFIX
+    from mg_models.hf import (
+        FAMILY_OF_MODEL_TYPE,
+        converted_specs,
+        hf_tensor_ignored,
+        iter_converted,
+        read_hf_config,
+        tensor_groups,
+    )
+
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src / 'config.json'} not found; --input must be a Hugging Face model directory "
+                                f"or an mg checkpoint")
+    reader = HFSafetensorsReader(str(src))
+    config, model_type = read_hf_config(src, reader.weight_map, reader.read)
+    family = FAMILY_OF_MODEL_TYPE[model_type]
+    _check_layout(config, family, tp, pp)
+    groups = tensor_groups(config, model_type)
+    needed = [n for g in groups for n in g.hf]
+    missing = [n for n in needed if n not in reader.weight_map]
+    if missing:
+        raise ValueError(f"{src}: checkpoint is missing tensor {missing[0]!r} required by its config.json")
+    known = set(needed)
+    unknown = sorted(n for n in reader.weight_map if n not in known and not hf_tensor_ignored(n, config, model_type))
+    if unknown:
+        raise ValueError(f"{src}: checkpoint holds tensors mg does not know: {unknown[:5]}")
+    specs = converted_specs(groups, reader.spec, "mg")
+    extra = {"iteration": 0, "model_family": family, "model_config": config.to_dict(), "hf_model_type": model_type,
              "source": str(src.resolve())}
-    for name in _TOKENIZER_FILES:
-        if (src / name).exists() and name in ("tokenizer.model", "tokenizer.json"):
+    for name in ("tokenizer.model", "spiece.model", "tokenizer.json"):
+        if (src / name).exists():
             extra["tokenizer_model"] = str((src / name).resolve())
             break
-    save_checkpoint(str(out), 0, {f"model/{k}": v for k, v in state.items()},
-                    extra=extra, layout={"tp": tp, "pp": pp, "converted_from": "hf"})
-    click.echo(f"wrote {out}/iter_0000000 ({len(state)} tensors, {model_type}); load it at any layout")
+    with StreamingCheckpointWriter(str(out), 0, [(MODEL_PREFIX + n, s, d) for n, s, d in specs], extra=extra,
+                                   layout={"tp": tp, "pp": pp, "converted_from": "hf"},
+                                   max_shard_bytes=max_shard_bytes) as writer:
+        for name, tensor in iter_converted(groups, lambda names: {n: reader.read(n) for n in names}, "mg"):
+            writer.write(MODEL_PREFIX + name, tensor)
+            del tensor
+    click.echo(f"wrote {writer.path} ({len(specs)} tensors, {model_type}); load it at any layout")
+
+
+def _export_type(family: str, requested: str | None, extra: dict[str, Any], config: Any) -> str:
+    if family in ("bert", "t5"):
+        if requested not in (None, family):
+            raise ValueError(f"--model-type {requested} does not fit this {family} checkpoint; use --model-type {family}")
+        return family
+    if requested is not None and requested not in _GPT_TYPES:
+        raise ValueError(f"--model-type {requested} does not fit this GPT checkpoint; use one of {list(_GPT_TYPES)}")
+    recorded = extra.get("hf_model_type")
+    return requested or (recorded if recorded in _GPT_TYPES else None) or (
+        "gpt2" if config.position_embedding == "learned" else "llama")
 
 
 def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int, tokenizer_dir: Path | None) -> None:
-    from mg_ckpt import write_hf_safetensors
-    from mg_cli.checkpoints import read_mg_checkpoint
-    from mg_models.hf import SUPPORTED_MODEL_TYPES, state_to_hf
+    from mg_ckpt import CheckpointError, CheckpointReader, write_hf_safetensors
+    from mg_cli.checkpoints import MODEL_PREFIX, config_from_state, model_family
+    from mg_models.hf import config_to_hf, converted_specs, iter_converted, tensor_groups
 
-    config, state, extra = read_mg_checkpoint(src)
-    model_type = model_type or extra.get("hf_model_type") or (
-        "gpt2" if config.position_embedding == "learned" else "llama")
-    adapter = SUPPORTED_MODEL_TYPES[model_type]
-    hf_config = adapter.config_to_hf(config) if model_type == "gpt2" else adapter.config_to_hf(config, model_type)
-    tensors = state_to_hf(state, config, model_type)
-    del state
+    reader = CheckpointReader(str(src), verify=True)  # every file's checksum, once, before converting
+    extra = reader.extra
+    config = config_from_state(extra, reader.path)
+    model_type = _export_type(model_family(extra), model_type, extra, config)
+    hf_config = config_to_hf(config, model_type)
+    groups = tensor_groups(config, model_type)
+    missing = [n for g in groups for n in g.mg if MODEL_PREFIX + n not in reader.specs]
+    if missing:
+        raise CheckpointError(f"{reader.path}: tensor {MODEL_PREFIX + missing[0]!r} needed for the {model_type} "
+                              f"export is not in the checkpoint")
+    specs = converted_specs(groups, lambda n: reader.specs[MODEL_PREFIX + n], "hf")
+
+    def read(names: list[str]) -> dict[str, Any]:
+        got = reader.read([MODEL_PREFIX + n for n in names])
+        return {n: got[MODEL_PREFIX + n] for n in names}
+
     out.mkdir(parents=True, exist_ok=True)
-    write_hf_safetensors(str(out), ((k, v.contiguous()) for k, v in tensors.items()), max_shard_bytes)
+    write_hf_safetensors(str(out), iter_converted(groups, read, "hf"), max_shard_bytes, specs=specs)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     if tokenizer_dir is not None:
         for name in _TOKENIZER_FILES:
             if (tokenizer_dir / name).exists():
                 shutil.copy2(tokenizer_dir / name, out / name)
-    click.echo(f"wrote {out} ({model_type}, {len(tensors)} tensors)")
+    click.echo(f"wrote {out} ({model_type}, {len(specs)} tensors)")

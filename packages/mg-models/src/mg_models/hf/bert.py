@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mg_models.bert import BertConfig
-from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.common import concat, pad_vocab, unpad_vocab
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
 __all__ = ["config_from_hf", "config_to_hf", "is_ignored", "load_safetensors_dir", "read_hf_bert", "state_from_hf",
@@ -81,8 +81,8 @@ def config_to_hf(c: BertConfig) -> dict[str, Any]:
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
     """[h*d, ...] x3 -> grouped [heads * (q_h, k_h, v_h), ...]."""
-    parts = [t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)]  # [heads, d, ...]
-    return torch.stack(parts, dim=1).reshape(-1, *q.shape[1:])
+    parts = [t.reshape(heads, 1, -1, *t.shape[1:]) for t in (q, k, v)]  # [heads, 1, d, ...]
+    return concat(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
 def _split_qkv(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:

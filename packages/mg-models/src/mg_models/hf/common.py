@@ -6,7 +6,24 @@ import torch
 
 from mg_models.config import GPTConfig
 
-__all__ = ["interleaved_to_half", "half_to_interleaved", "pad_vocab", "unpad_vocab"]
+__all__ = ["concat", "interleaved_to_half", "half_to_interleaved", "pad_vocab", "unpad_vocab"]
+
+
+def concat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` by copying into one new tensor.
+
+    Same result; written with copies because the conversions also run on ``meta`` tensors to plan
+    shapes, where ``torch.cat``/``torch.stack`` load torch's Python meta kernels (seconds of imports
+    and tens of MB) while copies stay in C++.
+    """
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    out = tensors[0].new_empty(shape)
+    pos = 0
+    for t in tensors:
+        out.narrow(dim, pos, t.shape[dim]).copy_(t)
+        pos += t.shape[dim]
+    return out
 
 
 def pad_vocab(w: torch.Tensor, c: GPTConfig) -> torch.Tensor:
@@ -15,7 +32,7 @@ def pad_vocab(w: torch.Tensor, c: GPTConfig) -> torch.Tensor:
         raise ValueError(f"embedding has {w.shape[0]} rows but config vocab_size={c.vocab_size}; "
                          f"the checkpoint does not match its config.json")
     extra = c.padded_vocab_size - c.vocab_size
-    return torch.cat([w, w.new_zeros(extra, w.shape[1])]) if extra else w
+    return concat([w, w.new_zeros(extra, w.shape[1])]) if extra else w
 
 
 def unpad_vocab(w: torch.Tensor, c: GPTConfig) -> torch.Tensor:

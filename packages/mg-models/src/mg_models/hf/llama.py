@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mg_models.config import GPTConfig
-from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.common import concat, pad_vocab, unpad_vocab
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
 __all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
@@ -109,7 +109,7 @@ def _qkv_group(c: GPTConfig, i: int, suffix: str) -> TensorGroup:
 
     def to_mg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
         rest = q.shape[1:]
-        fused = torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+        fused = concat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
         return (fused.reshape(g * (qpg + 2) * d, *rest),)
 
     def to_hf(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
