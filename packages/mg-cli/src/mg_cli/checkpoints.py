@@ -47,12 +47,27 @@ def config_from_state(extra: dict[str, Any], where: str) -> Any:
         raise ValueError(f"{where}: {str(e).splitlines()[0]}") from None
 
 
+def read_model_state(reader: Any, config: Any, family: str) -> dict[str, torch.Tensor]:
+    """Every ``model/`` tensor of an open :class:`mg_ckpt.CheckpointReader`, unsharded, without the prefix.
+
+    A GPT with tied embeddings gets no ``output_layer.weight``.
+
+    Raises:
+        mg_ckpt.CheckpointError: unreadable pieces (names the file).
+    """
+    names = [n for n in reader.specs if n.startswith(MODEL_PREFIX)]
+    state = {k[len(MODEL_PREFIX):]: v for k, v in reader.read(names).items()}
+    if family == "gpt" and config.tie_word_embeddings:
+        state.pop("output_layer.weight", None)
+    return state
+
+
 def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
                        ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
     """``(model config, unsharded model state, training state)`` of an mg checkpoint of any family.
 
     The metadata is read once; with ``with_state`` every ``model/`` tensor is assembled from its
-    pieces (any layout). A GPT with tied embeddings gets no ``output_layer.weight``.
+    pieces (any layout), as :func:`read_model_state`.
 
     Raises:
         mg_ckpt.CheckpointError: unreadable or corrupt checkpoint (names the file).
@@ -63,12 +78,7 @@ def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
     reader = CheckpointReader(str(path), verify=False)
     extra = reader.extra
     config = config_from_state(extra, reader.path)
-    state: dict[str, torch.Tensor] = {}
-    if with_state:
-        names = [n for n in reader.specs if n.startswith(MODEL_PREFIX)]
-        state = {k[len(MODEL_PREFIX):]: v for k, v in reader.read(names).items()}
-        if model_family(extra) == "gpt" and config.tie_word_embeddings:
-            state.pop("output_layer.weight", None)
+    state = read_model_state(reader, config, model_family(extra)) if with_state else {}
     return config, state, extra
 
 

@@ -1,5 +1,8 @@
 """Incremental decoding with a KV cache: greedy, temperature, top-k, top-p, stop tokens.
 
+:func:`generate` continues prompts with a decoder-only model (GPT); :func:`generate_seq2seq` runs
+an encoder-decoder model (T5) on source texts and decodes the targets, with the same sampling.
+
 Prompts of different lengths are left-padded into one batch; an attention mask hides the padding
 and position ids count real tokens only, so each row decodes exactly as it would alone. The
 cache holds this rank's key/value heads, and logits are gathered over the tp group before
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GenerationOutput", "InferenceCache", "SamplingConfig", "generate", "sample_next"]
+__all__ = ["GenerationOutput", "InferenceCache", "SamplingConfig", "generate", "generate_seq2seq", "sample_next"]
 
 
 class InferenceCache:
@@ -161,6 +164,71 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: S
             logits = model(step_input, attention_mask=attn, gather_logits=True, inference_cache=cache,
                            last_token_only=True)[:, -1]
             logits = logits.float()
+            token = sample_next(logits, config, generator)
+            out_tokens[:, t] = token
+            out_logprobs[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            if stop.numel():
+                newly = torch.isin(token, stop) & ~finished
+                done_at = torch.where(newly, torch.full_like(done_at, t + 1), done_at)
+                finished |= newly
+                if bool(finished.all()):
+                    break
+            step_input = token[:, None]
+    finally:
+        model.train(was_training)
+    n = t + 1
+    tokens, logprobs = out_tokens[:, :n].tolist(), out_logprobs[:, :n].tolist()
+    ends = done_at.clamp(max=n).tolist()
+    return GenerationOutput(tokens=[row[:e] for row, e in zip(tokens, ends)],
+                            logprobs=[row[:e] for row, e in zip(logprobs, ends)])
+
+
+@torch.no_grad()
+def generate_seq2seq(model: torch.nn.Module, sources: Sequence[Sequence[int]], config: SamplingConfig | None = None,
+                     *, decoder_start_token_id: int = 0) -> GenerationOutput:
+    """Decode targets for token-id ``sources`` with an encoder-decoder ``model`` (a T5Model, any tp).
+
+    The sources are right-padded into one batch (an attention mask hides the padding from the
+    encoder and from cross-attention), encoded once, and the decoder runs one token per step from
+    ``decoder_start_token_id`` with its key/value cache, using only the model's public
+    ``encode``/``decode``. Sampling, stop tokens and log-probabilities are as in :func:`generate`;
+    the outputs exclude the start token.
+
+    Raises:
+        ValueError: empty sources, or a model without ``encode``/``decode``.
+    """
+    from mg_models.t5 import T5DecoderCache
+
+    config = config or SamplingConfig()
+    if not sources or any(len(p) == 0 for p in sources):
+        raise ValueError("generate_seq2seq needs at least one source and every source must hold at least one token")
+    if not (hasattr(model, "encode") and hasattr(model, "decode")):
+        raise ValueError(f"generate_seq2seq needs an encoder-decoder model with encode/decode, got {type(model).__name__}")
+    device = next(model.parameters()).device
+    batch, src_len = len(sources), max(len(p) for p in sources)
+    ids = torch.full((batch, src_len), config.pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros(batch, src_len, dtype=torch.long, device=device)
+    for i, p in enumerate(sources):
+        ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long, device=device)
+        mask[i, : len(p)] = 1
+    enc_mask = mask if bool((mask == 0).any()) else None
+
+    was_training = model.training
+    model.eval()
+    generator = None
+    if config.temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+    stop = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.long, device=device)
+    out_tokens = torch.empty(batch, config.max_new_tokens, dtype=torch.long, device=device)
+    out_logprobs = torch.empty(batch, config.max_new_tokens, dtype=torch.float32, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    done_at = torch.full((batch,), config.max_new_tokens, dtype=torch.long, device=device)
+    step_input = torch.full((batch, 1), decoder_start_token_id, dtype=torch.long, device=device)
+    try:
+        memory = model.encode(ids, enc_mask)  # [s, b, h], computed once
+        cache = T5DecoderCache()
+        for t in range(config.max_new_tokens):
+            logits = model.decode(step_input, memory, enc_mask, gather_logits=True, cache=cache)[:, -1].float()
             token = sample_next(logits, config, generator)
             out_tokens[:, t] = token
             out_logprobs[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)

@@ -1,23 +1,24 @@
-"""``load_pretrained(path)``: a single-process GPTModel from a Hugging Face or mg checkpoint directory."""
+"""``load_pretrained(path)``: a single-process model (GPT, BERT or T5) from a Hugging Face or mg checkpoint directory."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from mg_models.config import GPTConfig
 from mg_models.gpt import GPTModel
 from mg_models.hf import read_hf_directory
 
 __all__ = ["MG_CHECKPOINT_LOADERS", "load_pretrained", "model_from_state", "register_checkpoint_loader"]
 
-CheckpointLoader = Callable[[Path], "tuple[GPTConfig, dict[str, torch.Tensor]] | None"]
+CheckpointLoader = Callable[[Path], "tuple[Any, dict[str, torch.Tensor]] | None"]
 
 MG_CHECKPOINT_LOADERS: list[CheckpointLoader] = []
 """Loaders for mg checkpoints, tried in order: ``loader(path) -> (config, unsharded mg state) | None``
-(None = not mine). mg-models cannot depend on mg-ckpt, so the CLI registers its reader here."""
+(None = not mine); the config is a GPTConfig, BertConfig or T5Config and picks the model class.
+mg-models cannot depend on mg-ckpt, so the CLI registers its reader here."""
 
 
 def register_checkpoint_loader(loader: CheckpointLoader) -> None:
@@ -26,17 +27,28 @@ def register_checkpoint_loader(loader: CheckpointLoader) -> None:
         MG_CHECKPOINT_LOADERS.append(loader)
 
 
-def model_from_state(config: GPTConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> GPTModel:
-    """A single-process GPTModel holding ``state`` (unsharded mg names), returning full unpadded logits.
+def model_from_state(config: Any, state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> torch.nn.Module:
+    """A single-process model holding ``state`` (unsharded mg names), returning full unpadded logits.
+
+    The config's type picks the model: :class:`~mg_models.t5.T5Config` gives a T5Model,
+    :class:`~mg_models.bert.BertConfig` a BertModel, any other GPTConfig a GPTModel.
 
     Raises:
         ValueError: the state does not match the model (lists missing/unexpected keys).
     """
+    from mg_models.bert import BertConfig, BertModel
+    from mg_models.t5 import T5Config, T5Model
     from mg_parallel.grid import ProcessGrid
 
     grid = ProcessGrid.single(torch.device(device) if device is not None else None)
-    model = GPTModel(config, grid, dtype=dtype)
+    model: torch.nn.Module
+    if isinstance(config, T5Config):
+        model = T5Model(config, grid, dtype=dtype)
+    elif isinstance(config, BertConfig):
+        model = BertModel(config, grid, dtype=dtype)
+    else:
+        model = GPTModel(config, grid, dtype=dtype)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"checkpoint does not match the model: missing {result.missing_keys[:5]}, "
@@ -63,8 +75,8 @@ def _load_hf_encoder_model(path: Path, dtype: torch.dtype | None,
 
 
 def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> GPTModel:
-    """Load a Hugging Face directory (GPT-2, Llama, Mistral, BERT, T5; safetensors) or an mg checkpoint.
+                    device: torch.device | str | None = None) -> torch.nn.Module:
+    """Load a Hugging Face directory (GPT-2, Llama, Mistral, BERT, T5; safetensors) or an mg checkpoint of any family.
 
     The model runs in one process; ``model(input_ids [b, s])`` returns logits ``[b, s, vocab_size]``
     (unpadded), directly comparable with Hugging Face's. BERT and T5 directories give a

@@ -115,6 +115,9 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
     specs = converted_specs(groups, reader.spec, "mg")
     extra = {"iteration": 0, "model_family": family, "model_config": config.to_dict(), "hf_model_type": model_type,
              "source": str(src.resolve())}
+    if family == "t5":
+        start = json.loads((src / "config.json").read_text()).get("decoder_start_token_id")
+        extra["decoder_start_token_id"] = int(start) if start is not None else 0
     for name in ("tokenizer.model", "spiece.model", "tokenizer.json"):
         if (src / name).exists():
             extra["tokenizer_model"] = str((src / name).resolve())

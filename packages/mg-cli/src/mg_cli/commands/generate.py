@@ -1,18 +1,50 @@
-"""``mg generate``: continue a prompt with a trained checkpoint or a Hugging Face model."""
+"""``mg generate``: continue a prompt (GPT) or answer a text-to-text prompt (T5) with an mg checkpoint or a
+Hugging Face model."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import click
 
 
+def _encoder_only(where: str) -> click.ClickException:
+    return click.ClickException(f"{where} is a BERT model (encoder-only): it cannot generate text; "
+                                f"use a GPT or T5 checkpoint")
+
+
+def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int]:
+    """``(model, checkpoint state or {}, decoder start id)``; each file's metadata read once."""
+    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint, model_family, read_model_state
+    from mg_models import load_pretrained, model_from_state
+
+    if is_mg_checkpoint(checkpoint):
+        from mg_ckpt import CheckpointReader
+
+        reader = CheckpointReader(checkpoint, verify=False)
+        family = model_family(reader.extra)
+        if family == "bert":
+            raise _encoder_only(checkpoint)
+        config = config_from_state(reader.extra, reader.path)
+        model = model_from_state(config, read_model_state(reader, config, family), dtype=dtype)
+        return model, reader.extra, int(reader.extra.get("decoder_start_token_id", 0))
+    cfg_file = Path(checkpoint) / "config.json"
+    hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    if hf_config.get("model_type") == "bert":
+        raise _encoder_only(checkpoint)
+    start = hf_config.get("decoder_start_token_id")
+    return load_pretrained(checkpoint, dtype=dtype), {}, int(start if start is not None else 0)
+
+
 @click.command("generate", context_settings={"show_default": True})
 @click.option("--checkpoint", required=True,
-              help="mg checkpoint (save directory or iter_NNNNNNN) or a Hugging Face model directory.")
+              help="mg checkpoint (save directory or iter_NNNNNNN) or a Hugging Face model directory (GPT or T5).")
 @click.option("--tokenizer-model", default=None,
               help="Tokenizer file (default: the one recorded in the mg checkpoint).")
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt", "prompts", multiple=True, required=True,
+              help="Prompt text (repeat for a batch); for T5, the source text.")
 @click.option("--max-new-tokens", type=int, default=64)
 @click.option("--temperature", type=float, default=0.0, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, help="0 = off.")
@@ -26,34 +58,41 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
              dtype: str) -> None:
     """Generate text from PROMPTs with a KV cache.
 
+    GPT models continue the prompt. T5 models encode the prompt and decode a new text from the
+    decoder start token (text-to-text). BERT models are encoder-only and cannot generate.
+
     \b
     Examples:
       mg generate --checkpoint runs/demo/checkpoints --prompt "def main("
       mg generate --checkpoint ckpt --prompt "import os" --temperature 0.8 --top-p 0.9 --json
+      mg generate --checkpoint t5-ckpt --prompt "translate English to German: hello" --json
     """
     import torch
 
-    from mg_cli.checkpoints import is_mg_checkpoint, read_mg_checkpoint, register
+    from mg_cli.checkpoints import register
     from mg_data import build_tokenizer
-    from mg_models import SamplingConfig, load_pretrained
+    from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
+    from mg_models.t5 import T5Model
 
     register()
     try:
-        if tokenizer_model is None and is_mg_checkpoint(checkpoint):
-            _, _, extra = read_mg_checkpoint(checkpoint, with_state=False)
-            tokenizer_model = extra.get("tokenizer_model")
+        model, extra, start_id = _load(checkpoint, torch.bfloat16 if dtype == "bf16" else None)
+        tokenizer_model = tokenizer_model or extra.get("tokenizer_model")
         if tokenizer_model is None:
             raise click.ClickException("--tokenizer-model is required (the checkpoint records none)")
         tok = build_tokenizer(tokenizer_model)
-        model = load_pretrained(checkpoint, dtype=torch.bfloat16 if dtype == "bf16" else None)
         ids = [tok.encode(p) for p in prompts]
         if any(len(i) == 0 for i in ids):
             raise click.ClickException("a prompt encodes to no tokens; give some text")
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed,
                                   stop_token_ids=(tok.eod,) if stop_at_eod and tok.eod is not None else ())
-        out = run_generate(model, ids, sampling)
+        seq2seq = isinstance(model, T5Model)
+        if seq2seq:
+            out = generate_seq2seq(model, ids, sampling, decoder_start_token_id=start_id)
+        else:
+            out = run_generate(model, ids, sampling)
     except click.ClickException:
         raise
     except (ValueError, OSError) as e:
@@ -69,4 +108,5 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
         ]))
         return
     for p, t in zip(prompts, out.tokens):
-        click.echo(p + tok.decode([x for x in t if x != tok.eod]))
+        text = tok.decode([x for x in t if x != tok.eod])
+        click.echo(text if seq2seq else p + text)
