@@ -78,3 +78,38 @@ def tiny_args(corpus: dict[str, Path], log_dir: Path, *extra: str, iters: int = 
     for e in extra:
         args += ["--set", e] if "=" in e and not e.startswith("--") else [e]
     return args
+
+
+@pytest.fixture(scope="session")
+def bert_t5_corpus(tmp_path_factory) -> dict[str, Path]:
+    """A smaller corpus with a tokenizer holding BERT's and T5's special tokens, preprocessed twice: one
+    sequence per sentence (BERT) and one per document (T5)."""
+    root = tmp_path_factory.mktemp("bert_t5_corpus")
+    jsonl = stdlib_corpus(root / "corpus.jsonl", 600_000)
+    mg("tokenizer", "train", "--input", str(jsonl), "--output-prefix", str(root / "tok"), "--vocab-size", "512",
+       "--max-lines", "20000", "--user-defined-symbols", "<pad>,<cls>,<sep>,<mask>", "--extra-ids", "16")
+    for flag in ("--split-sentences", "--append-eod"):
+        mg("preprocess", "--input", str(jsonl), "--tokenizer-model", str(root / "tok.model"), "--output-prefix",
+           str(root / "data"), flag, "--workers", "1")
+    return {"root": root, "jsonl": jsonl, "tokenizer": root / "tok.model",
+            "sentences": root / "data_text_sentence", "documents": root / "data_text_document"}
+
+
+FAMILY_SETS = {
+    "bert": ["model.type=bert", "model.preset=tiny-bert", "model.seq_length=64"],
+    "t5": ["model.type=t5", "model.preset=tiny-t5", "model.seq_length=64"],
+}
+
+
+def family_args(corpus: dict[str, Path], family: str, log_dir: Path, *extra: str, iters: int = 10) -> list[str]:
+    """``mg train`` arguments for the tiny BERT or T5 test model on ``bert_t5_corpus``."""
+    data = corpus["sentences"] if family == "bert" else corpus["documents"]
+    sets = [s for s in TINY if not s.startswith("model.")] + FAMILY_SETS[family] + [
+        "data.split=80,20,0", f"train.iters={iters}", f"data.path={data}",
+        f"data.tokenizer_model={corpus['tokenizer']}", f"log.dir={log_dir}"]
+    args = ["train"]
+    for s in sets:
+        args += ["--set", s]
+    for e in extra:
+        args += ["--set", e] if "=" in e and not e.startswith("--") else [e]
+    return args
