@@ -68,3 +68,46 @@ def test_bad_files(tmp_path):
     wrong.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match=r"top level must be a mapping"):
         load_config(wrong)
+
+
+def test_model_family_keys():
+    keys = set(all_keys())
+    assert {"model.kv_channels", "model.num_decoder_layers", "model.decoder_seq_length", "data.sentence_task"} <= keys
+    cfg = load_config(None, ["model.type=t5", "model.activation=gated-gelu", "model.decoder_seq_length=30",
+                             "model.num_decoder_layers=3"])
+    assert cfg.model.activation == "gated-gelu" and cfg.model.decoder_seq_length == 30
+    assert from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"data.sentence_task='order' is not one of 'sop', 'nsp', 'none'"):
+        load_config(None, ["data.sentence_task=order"])
+    with pytest.raises(ConfigError, match=r"model.decoder_seq_length must be >= 1, got 0"):
+        load_config(None, ["model.decoder_seq_length=0"])
+
+
+def test_family_model_configs_from_presets_and_keys():
+    """Reference: mg_models' own preset tables, with the config's explicit keys and the tokenizer's vocabulary."""
+    from mg_cli.training import TrainingError
+    from mg_cli.training.build import model_config
+    from mg_models.bert import BERT_PRESETS, BertConfig
+    from mg_models.t5 import T5_PRESETS, T5Config
+
+    bert = model_config(load_config(None, ["model.type=bert", "model.preset=tiny-bert", "model.num_layers=3",
+                                           "model.seq_length=200", "data.sentence_task=none"]), 300)
+    assert type(bert) is BertConfig
+    assert bert == BertConfig(**{**BERT_PRESETS["tiny-bert"], "num_layers": 3, "vocab_size": 300,
+                                 "max_position_embeddings": 200, "add_binary_head": False})
+    t5 = model_config(load_config(None, ["model.type=t5", "model.preset=t5-v1_1-small", "model.num_decoder_layers=2",
+                                         "model.dropout=0.1"]), 300)
+    assert type(t5) is T5Config
+    assert t5 == T5Config(**{**T5_PRESETS["t5-v1_1-small"], "num_decoder_layers": 2, "vocab_size": 300,
+                             "dropout": 0.1})
+    shape = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4"]
+    t5 = model_config(load_config(None, ["model.type=t5", *shape]), 300)
+    assert (t5.kv_channels, t5.ffn_hidden_size, t5.activation) == (8, 128, "relu")
+    with pytest.raises(TrainingError, match=r"model.preset='gpt2-small' is not a BERT preset"):
+        model_config(load_config(None, ["model.type=bert", "model.preset=gpt2-small"]), 300)
+    with pytest.raises(TrainingError, match=r"model.position_embedding is not used by T5"):
+        model_config(load_config(None, ["model.type=t5", "model.position_embedding=rope", *shape]), 300)
+    with pytest.raises(TrainingError, match=r"model.activation='swiglu': BERT supports"):
+        model_config(load_config(None, ["model.type=bert", "model.activation=swiglu", *shape]), 300)
+    with pytest.raises(TrainingError, match=r"model.activation=relu is a T5 activation"):
+        model_config(load_config(None, ["model.activation=relu", *shape]), 300)
