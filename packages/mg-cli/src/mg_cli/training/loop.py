@@ -250,7 +250,10 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         for chunk in model:
             chunk.train()
         val = float(average_losses(losses, grid))
-        logger.log({"iteration": iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        parts = {f"val_{k}": float(average_losses(losses, grid, key=k)) for k in extra_losses}
+        # Perplexity of the language-model part (BERT: masked tokens, without the sentence-order loss).
+        lm = parts.get("val_lm_loss", val)
+        logger.log({"iteration": iteration, "val_loss": val, **parts, "val_ppl": math.exp(min(lm, 50.0))})
         return val
 
     last_loss = last_val = None
