@@ -29,27 +29,30 @@ def expected(name: str, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(i))
 
 
-def write_child(out_dir: str, n: int, numel: int, max_shard: int) -> None:
-    """Write in a fresh process and print the peak-RSS increase in bytes."""
-    import resource
+def peak_rss() -> int:
+    """This process's peak RSS in bytes (``VmHWM``: unlike ``ru_maxrss``, not inherited from the forking parent)."""
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmHWM:")[1].split()[0]) * 1024
 
+
+def write_child(out_dir: str, n: int, numel: int, max_shard: int, planned: bool = False) -> None:
+    """Write in a fresh process and print the peak-RSS increase in bytes (``planned``: with specs)."""
     expected("layers.0.weight", numel)  # warm the allocator and generator once
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    write_hf_safetensors(out_dir, weights(n, numel), max_shard)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    base = peak_rss()
+    specs = [(f"layers.{i}.weight", (numel,), torch.float32) for i in range(n)] if planned else None
+    write_hf_safetensors(out_dir, weights(n, numel), max_shard, specs=specs)
+    print(peak_rss() - base)
 
 
 def read_child(out_dir: str, numel: int) -> None:
     """Read everything back one tensor at a time, check it, print the peak-RSS increase."""
-    import resource
-
     expected("layers.0.weight", numel)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss()
     count = 0
     for name, t in iter_hf_safetensors(out_dir):
         assert torch.equal(t, expected(name, numel)), name
         count += 1
-    print(count, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+    print(count, peak_rss() - base)
 
 
 def _run(code: str) -> str:
@@ -83,6 +86,39 @@ def test_streaming_write_and_read_stay_within_memory_bound(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == model_bytes
     assert index["weight_map"]["layers.5.weight"] == "model-00003-of-00012.safetensors"
+
+    # Planned from specs, each tensor goes straight to disk: one 96 MiB shard, one tensor in memory.
+    planned = tmp_path / "planned"
+    grew = int(_run(f"from tests.mg_ckpt.test_hf import write_child; "
+                    f"write_child({str(planned)!r}, {n}, {numel}, {model_bytes}, planned=True)"))
+    bound = tensor_bytes + 12 * MiB
+    assert grew < bound, f"planned writer peak RSS grew by {grew / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
+    assert os.listdir(planned) and sorted(os.listdir(planned)) == ["model-00001-of-00001.safetensors",
+                                                                   "model.safetensors.index.json"]
+    got = [name for name, t in iter_hf_safetensors(str(planned)) if torch.equal(t, expected(name, numel))]
+    assert got == [f"layers.{i}.weight" for i in range(n)]
+
+
+def test_planned_writer_checks_the_tensors_against_specs(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "c": torch.randn(3).bfloat16(), "b": torch.arange(7), "d": torch.randn(100)}
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    index = write_hf_safetensors(str(tmp_path), iter(tensors.items()), max_shard_bytes=100, specs=specs)
+    # 60 B of "a" + 6 B of "c": "b" (8-byte elements) starts a new file; "d" (400 B) gets its own.
+    assert len(set(index["weight_map"].values())) == 3
+    seen = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        seen.update(load_file(str(tmp_path / fname)))
+    assert all(torch.equal(seen[k], tensors[k]) for k in tensors) and seen.keys() == tensors.keys()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="expected tensor 'c' next"):
+        write_hf_safetensors(str(tmp_path), iter([("a", tensors["a"]), ("b", tensors["b"])]), specs=specs)
+    with pytest.raises(ValueError, match="declared"):
+        write_hf_safetensors(str(tmp_path), iter([("a", tensors["a"].double())]), specs=specs)
+    with pytest.raises(ValueError, match="iterator ended before tensor 'b'"):
+        write_hf_safetensors(str(tmp_path), iter(list(tensors.items())[:2]), specs=specs)
+    with pytest.raises(ValueError, match="'e' was not declared"):
+        write_hf_safetensors(str(tmp_path), iter([*tensors.items(), ("e", torch.ones(1))]), specs=specs)
+    assert sorted(os.listdir(tmp_path)) == before  # failed writes leave the directory as it was
 
 
 def test_files_are_readable_by_safetensors_itself(tmp_path):

@@ -126,9 +126,10 @@ def _write_planned(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], ma
     shard_of = {name: i for i, group in enumerate(plan) for name, _, _ in group}
     it = iter(tensors)
     total = 0
-    for i, group in enumerate(plan):
-        writer = SafetensorsStreamWriter(os.path.join(out_dir, f".partial-{i:05d}.safetensors"), group, meta)
-        try:
+    partial = [os.path.join(out_dir, f".partial-{i:05d}.safetensors") for i in range(len(plan))]
+    try:
+        for path, group in zip(partial, plan):
+            writer = SafetensorsStreamWriter(path, group, meta)
             for _ in group:
                 try:
                     name, t = next(it)
@@ -138,12 +139,14 @@ def _write_planned(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], ma
                 total += t.numel() * t.element_size()
                 del t
             writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-    leftover = next(it, None)
-    if leftover is not None:
-        raise ValueError(f"write_hf_safetensors: tensor {leftover[0]!r} was not declared in specs")
+        leftover = next(it, None)
+        if leftover is not None:
+            raise ValueError(f"write_hf_safetensors: tensor {leftover[0]!r} was not declared in specs")
+    except BaseException:
+        for path in partial:  # leave the directory as it was
+            if os.path.exists(path):
+                os.remove(path)
+        raise
     return _publish(out_dir, len(plan), shard_of, total)
 
 
