@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from mg_models import load_pretrained
@@ -102,6 +103,64 @@ def test_bert_without_token_types(tmp_path):
     with pytest.raises(ValueError, match="type_vocab_size=0"):
         BertModel(no_types)(ids, torch.zeros_like(ids))
 
+
+
+def _hf_grads_as_mg(hf: torch.nn.Module, config: BertConfig) -> dict[str, torch.Tensor]:
+    from mg_models.hf.bert import state_from_hf
+
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in hf.named_parameters()}
+    return state_from_hf(grads, config)
+
+
+@pytest.mark.parametrize("head_in_loss", [True, False])
+def test_bert_training_loss_and_grads_match_hugging_face(tmp_path, head_in_loss):
+    """With lm_labels, mg projects only the labelled positions onto the vocabulary and completes the tied
+    word-embedding gradient in place; loss per token and every gradient must still equal Hugging Face's
+    full-logits computation. Without the MLM head in the loss the embedding gradient takes its own path."""
+    hf = _bert(False, 2).train()
+    hf.save_pretrained(tmp_path)
+    model = load_hf_bert(str(tmp_path)).train()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=gen)
+    types = torch.randint(0, 2, (3, 12), generator=gen)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    labels = torch.where((torch.rand(3, 12, generator=gen) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 0], labels[2, 4] = 5, 5  # a repeated target id
+    ids[1, 2] = ids[2, 3] = 7  # a repeated input id: its embedding-gradient rows add up
+    nsp = torch.tensor([0, 1, 1])
+
+    out = hf(ids, token_type_ids=types, attention_mask=mask)
+    ref_tok = F.cross_entropy(out.prediction_logits.reshape(-1, VOCAB), labels.reshape(-1),
+                              reduction="none").view(3, 12)
+    n = (labels != -100).sum()
+    ref_loss = ref_tok.sum() / n + F.cross_entropy(out.seq_relationship_logits, nsp)
+    if not head_in_loss:
+        ref_loss = out.seq_relationship_logits.square().sum()
+    ref_loss.backward()
+
+    tok, binary = model(ids, types, mask, lm_labels=labels)
+    assert tok.shape == (3, 12) and tok.dtype == torch.float32
+    assert torch.equal(tok[labels == -100], torch.zeros_like(tok[labels == -100]))
+    torch.testing.assert_close(tok, ref_tok.detach(), atol=1e-5, rtol=1e-5)
+    loss = tok.sum() / n + F.cross_entropy(binary, nsp) if head_in_loss else binary.square().sum()
+    loss.backward()
+    ref_grads = _hf_grads_as_mg(hf, model.config)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert not head_in_loss and name.startswith("lm_head") and not ref_grads[name].any(), name
+            continue
+        assert p.grad.layout == torch.strided and p.grad.is_contiguous(), name
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=2e-6, rtol=1e-4, msg=name)
+    # A second backward pass of a retained graph gets no stale gradient from the first.
+    model.zero_grad(set_to_none=True)
+    tok, binary = model(ids, types, mask, lm_labels=labels)
+    first = (tok.sum() + binary.sum()) if head_in_loss else binary.sum()
+    first.backward(retain_graph=True)
+    word = model.embedding.word_embeddings.weight
+    once = word.grad.clone()
+    first.backward()
+    torch.testing.assert_close(word.grad, 2 * once, atol=1e-6, rtol=1e-5)
 
 def _t5(ff: str, tie: bool) -> torch.nn.Module:
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,

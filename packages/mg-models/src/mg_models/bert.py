@@ -28,12 +28,13 @@ from torch import nn
 from mg_models.config import GPTConfig, check_parallel
 from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
 from mg_models.init import normal_init
-from mg_models.layers import MLP, LayerNorm, SelfAttention
+from mg_models.layers import MLP, LayerNorm, SelfAttention, TiedGradient, tied_embedding, tied_projection
 from mg_models.spec import BuildContext, ModuleSpec
 from mg_models.transformer import TransformerBlock, gpt_layer_spec
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
     VocabParallelEmbedding,
+    copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
     scatter_to_sequence_parallel_region,
@@ -151,9 +152,14 @@ class BertEmbedding(nn.Module):
             ctx.mark_partial_grads(self.layernorm, ctx.sequence_parallel)
         self.dropout = c.hidden_dropout
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                tied: TiedGradient | None = None) -> torch.Tensor:
+        """``tied`` (tp=1 only): share the word-embedding gradient with the tied MLM projection's."""
         s = input_ids.shape[1]
-        x = self.word_embeddings(input_ids.t())  # [s, b, h], replicated over tp
+        if tied is not None:
+            x = tied_embedding(input_ids.t(), self.word_embeddings.weight, tied)  # [s, b, h]
+        else:
+            x = self.word_embeddings(input_ids.t())  # [s, b, h], replicated over tp
         x = x + self.position_embeddings.weight[:s, None, :]
         if self.tokentype_embeddings is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
@@ -197,7 +203,7 @@ class BertLMHead(nn.Module):
         self.bias.partition_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s(/tp), b, h] -> transformed [s(/tp), b, h]."""
+        """x [..., h] (the [s(/tp), b, h] stream, or selected rows [n, h]) -> transformed, same shape."""
         return self.layernorm(F.gelu(self.dense(x), approximate=self.activation))
 
 
@@ -298,7 +304,10 @@ class BertModel(nn.Module):
             raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={c.max_position_embeddings}")
         if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
             raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
-        x = self.embedding(input_ids, token_type_ids) if self.pre_process else self.input_tensor
+        tied = None
+        if lm_labels is not None and self.pre_process and self.ctx.tp_size == 1 and torch.is_grad_enabled():
+            tied = TiedGradient()  # embedding and MLM projection share one weight here: one [V, h] gradient
+        x = self.embedding(input_ids, token_type_ids, tied) if self.pre_process else self.input_tensor
         if attention_mask is not None:
             if attention_mask.shape != (b, s):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [batch, seq] = "
@@ -318,15 +327,43 @@ class BertModel(nn.Module):
                 full = gather_from_sequence_parallel_region(x, self.ctx.tp_group, tensor_parallel_output_grad=False)
             binary = self.binary_head(torch.tanh(self.pooler(full[0])))  # [b, 2]
         weight = self.embedding.word_embeddings.weight if self.pre_process else None
-        logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
         if lm_labels is not None:
-            loss = vocab_parallel_cross_entropy(logits.float(), lm_labels.t(), tp_group=self.ctx.tp_group,
-                                                vocab_size=c.vocab_size)
-            return loss.t(), binary  # [b, s]
+            return self._masked_lm_loss(x, lm_labels, weight, tied), binary
+        logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
         logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
         if gather_logits if gather_logits is not None else self.gather_logits_default:
             logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]
         return logits, binary
+
+    def _masked_lm_loss(self, x: torch.Tensor, lm_labels: torch.Tensor, weight: torch.Tensor | None,
+                        tied: TiedGradient | None) -> torch.Tensor:
+        """Per-token MLM loss [b, s] (fp32, 0 where ``lm_labels`` is -100) from the last hidden x [s(/tp), b, h].
+
+        Only the labelled positions (about 15% in MLM pretraining) go through the vocabulary-sized
+        projection and the cross entropy: the other rows would only be multiplied by a zero loss
+        gradient, and that projection plus its weight gradient is the costliest part of the head.
+        """
+        b, s = lm_labels.shape
+        if weight is None:
+            weight = self.output_layer.weight
+        labels = lm_labels.t()  # [s, b]
+        rows = (labels != -100).reshape(-1).nonzero().squeeze(1)  # flat (s, b) indices of labelled tokens
+        if self.ctx.sequence_parallel:
+            # The head's transform holds partial grads per sequence chunk: apply it to the local chunk,
+            # then gather the sequence (backward sums the vocab shards' input grads and re-splits them).
+            h = gather_from_sequence_parallel_region(self.lm_head(x), self.ctx.tp_group)  # [s, b, h]
+            h = h.reshape(s * b, -1).index_select(0, rows)  # [n, h]
+        else:
+            h = self.lm_head(x.reshape(s * b, -1).index_select(0, rows))  # [n, h]
+            h = copy_to_tp_region(h, self.ctx.tp_group)
+        if tied is not None:
+            logits = tied_projection(h, weight, self.lm_head.bias, tied)  # [n, V_pad]
+        else:
+            logits = F.linear(h, weight, self.lm_head.bias)  # [n, V_pad/tp]
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.reshape(-1).index_select(0, rows),
+                                            tp_group=self.ctx.tp_group, vocab_size=self.config.vocab_size)
+        full = loss.new_zeros(s * b).index_copy(0, rows, loss)  # [s * b]
+        return full.view(s, b).t()  # [b, s]
 
 
 def load_hf_bert(path: str | Path, *, dtype: torch.dtype | None = None,

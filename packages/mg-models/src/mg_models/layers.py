@@ -29,8 +29,11 @@ __all__ = [
     "RotaryEmbedding",
     "SelfAttention",
     "SelfAttentionSubmodules",
+    "TiedGradient",
     "apply_rotary",
     "norm_class",
+    "tied_embedding",
+    "tied_projection",
 ]
 
 
@@ -228,3 +231,90 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+class TiedGradient:
+    """Lets a tied word embedding add its gradient into the output projection's, in place.
+
+    With tied weights, autograd gives the table two gradients: the projection's, dense
+    ``[V, h]``, and the lookup's, dense ``[V, h]`` too although only the looked-up rows are
+    non-zero; then it adds them into a third ``[V, h]`` tensor. :func:`tied_projection` hands its
+    weight gradient to this object and :func:`tied_embedding` (whose backward always runs later
+    in the same pass, being upstream of the projection) adds its rows into that tensor and
+    returns no gradient of its own, so one ``[V, h]`` tensor is written instead of three.
+    Use one object per forward pass; the weight must be the same tensor in both calls.
+    """
+
+    def __init__(self) -> None:
+        self._grad: torch.Tensor | None = None
+        self._task = -1
+        self.weight: torch.Tensor | None = None
+        """The table :func:`tied_embedding` looked up (the projection fuses only with that very tensor)."""
+
+    def stash(self, grad: torch.Tensor) -> None:
+        """Keep the projection's weight gradient for the embedding backward of the same pass."""
+        self._grad, self._task = grad, torch._C._current_graph_task_id()
+
+    def take(self) -> torch.Tensor | None:
+        """The stashed gradient if it belongs to the running backward pass (None otherwise); clears it,
+        so autograd can hand that tensor to ``.grad`` without a copy."""
+        grad, self._grad = self._grad, None
+        return grad if grad is not None and self._task == torch._C._current_graph_task_id() else None
+
+
+class _TiedProjection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tied: TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.tied = tied if tied.weight is weight else None
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.shape[-1])  # [n, V]
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            # [V, n] @ [n, h]: a fresh contiguous [V, h] the embedding backward may add into in place.
+            grad_w = grad2.t().mm(x.reshape(-1, x.shape[-1]))
+            if ctx.tied is not None:
+                ctx.tied.stash(grad_w)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, tied: TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.rows = tied, weight.shape[0]
+        tied.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None]:
+        (ids,) = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        target = ctx.tied.take()
+        if target is not None:
+            target.index_add_(0, ids.reshape(-1), grad.to(target.dtype))
+            return None, None, None  # already part of the projection's gradient of the same weight
+        return None, grad.new_zeros(ctx.rows, grad.shape[-1]).index_add_(0, ids.reshape(-1), grad), None
+
+
+def tied_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    tied: TiedGradient) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (x [..., h], weight [V, h] -> [..., V]) whose weight gradient
+    :func:`tied_embedding` of the same pass completes in place (see :class:`TiedGradient`)."""
+    return _TiedProjection.apply(x, weight, bias, tied)
+
+
+def tied_embedding(ids: torch.Tensor, weight: torch.Tensor, tied: TiedGradient) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` (ids [...] -> [..., h]) whose backward adds its rows into the gradient
+    :func:`tied_projection` produced for the same ``weight`` in the same pass, when there is one; otherwise
+    it returns an ordinary dense gradient."""
+    return _TiedEmbedding.apply(ids, weight, tied)
