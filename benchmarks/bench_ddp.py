@@ -12,6 +12,12 @@ the optimizer step is reported separately with the distributed optimizer). Scali
 ``--rounds`` rounds and the best median of each is kept, since the machine is shared.
 
 Run from the repo root: ``.venv/bin/python benchmarks/bench_ddp.py``.
+
+``--optimizer`` instead times the optimizer step alone (global gradient norm, clipping, AdamW) on
+the parameter set of the ``gpt-14m`` preset (14.1M parameters in 53 tensors, 1 process, fp32 or
+bf16): ``MegatronStyleOptimizer.step()`` against ``clip_grad_norm_`` + ``torch.optim.AdamW`` on
+identical parameters and gradients, both torch's single-tensor path (what a plain training loop
+uses on CPU by default) and its fused kernel, interleaved, best median of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -103,6 +109,88 @@ def run_two_ranks(configs: dict, rounds: int) -> dict[str, tuple[float, float]]:
     return result
 
 
+class _ParamSet(nn.Module):
+    """The parameter tensors of a GPT (word + position embedding, per layer two norms, qkv, proj, fc1,
+    fc2, final norm), with a loss whose gradient for parameter i is the fixed random tensor r_i."""
+
+    def __init__(self, layers: int, hidden: int, vocab: int, seq: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shapes = [(vocab, hidden), (seq, hidden)]
+        for _ in range(layers):
+            shapes += [(hidden,), (hidden,), (3 * hidden, hidden), (hidden, hidden), (hidden,), (hidden,),
+                       (4 * hidden, hidden), (hidden, 4 * hidden)]
+        shapes += [(hidden,), (hidden,)]
+        self.ps = nn.ParameterList(nn.Parameter((torch.randn(s) * 0.02).to(dtype)) for s in shapes)
+        self.rs = [torch.randn(s).to(dtype) for s in shapes]
+
+    def forward(self) -> torch.Tensor:
+        return sum((p * r).sum() for p, r in zip(self.ps, self.rs))
+
+
+def bench_optimizer(args: argparse.Namespace) -> None:
+    """Time one optimizer step (norm + clip + AdamW) of mg against torch's AdamW paths."""
+    from mg_parallel.distributed import DistributedDataParallel, finalize_model_grads
+    from mg_parallel.grid import ProcessGrid
+    from mg_parallel.optimizer import OptimizerConfig, build_optimizer
+
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    grid = ProcessGrid.single()
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    model = _ParamSet(6, 384, 8192, 256, dtype)
+    ddp = DistributedDataParallel(model, grid, grad_reduce_in_fp32=args.bf16)
+    opt = build_optimizer([ddp], grid, OptimizerConfig(lr=hp["lr"], weight_decay=0.1, adam_beta1=0.9,
+                                                       adam_beta2=0.95, clip_grad=1.0,
+                                                       precision="bf16" if args.bf16 else "fp32"))
+    ddp.zero_grad_buffer()
+    ddp().backward()
+    finalize_model_grads([ddp], grid)
+    grads = [r.float() for r in model.rs]
+
+    def mg_step() -> None:
+        opt.step()
+
+    def torch_factory(**kw):  # noqa: ANN202
+        params = [nn.Parameter(p.detach().float().clone()) for p in model.ps]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        o = torch.optim.AdamW(groups, **hp, **kw)
+        foreach = bool(kw)
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=foreach)
+            o.step()
+        return step
+
+    runs = {"mg MegatronStyleOptimizer.step": mg_step,
+            "torch clip + AdamW (single-tensor)": torch_factory(foreach=False),
+            "torch clip + AdamW (fused)": torch_factory(fused=True)}
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            ts = []
+            for i in range(args.warmup + args.steps):
+                if name.startswith("mg"):  # step() releases nothing at dp=1, but keep the grads fresh
+                    ddp.zero_grad_buffer()
+                    ddp().backward()
+                    finalize_model_grads([ddp], grid)
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    ts.append(time.perf_counter() - t0)
+            best[name] = min(best.get(name, float("inf")), statistics.median(ts))
+    n = sum(p.numel() for p in model.ps)
+    print(f"optimizer step, gpt-14m parameter set ({n / 1e6:.1f}M params in {len(model.ps)} tensors), "
+          f"{'bf16 params, fp32 main' if args.bf16 else 'fp32'}, {args.threads} threads, {args.steps} timed steps "
+          f"(median), best of {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    ref = best["torch clip + AdamW (single-tensor)"]
+    for name, t in best.items():
+        print(f"  {name:<40} {t * 1e3:8.1f} ms   {ref / t:5.2f}x torch single-tensor")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -113,7 +201,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=10.0)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--optimizer", action="store_true", help="time only the optimizer step (see module doc)")
+    ap.add_argument("--threads", type=int, default=2, help="--optimizer: torch threads")
     args = ap.parse_args()
+    if args.optimizer:
+        bench_optimizer(args)
+        return
     base = dict(hidden=args.hidden, layers=args.layers, batch=args.batch, steps=args.steps, warmup=args.warmup,
                 bucket_mb=args.bucket_mb, bf16=args.bf16)
     ref_cfg = dict(base, overlap=True, zero=False)

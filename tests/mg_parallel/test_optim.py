@@ -145,3 +145,53 @@ def test_reload_model_params_after_loading_weights_single_process():
     opt.step()
     for k, v in model.state_dict().items():
         assert torch.equal(v, new[k]), k
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_update_matches_torch_adamw(fused):
+    """The multi-tensor update (fused kernel and _foreach path) against torch.optim.AdamW's
+    single-tensor path, over steps with a changing lr, two weight-decay groups and odd shapes."""
+    from mg_parallel.optimizer.adamw import adamw_update, fused_adamw_supported
+
+    assert fused_adamw_supported(torch.device("cpu"), torch.float32)  # torch >= 2.4 has the CPU kernel
+    torch.manual_seed(0)
+    shapes = [(37, 11), (5,), (1,), (64, 3, 2)]
+    ref = [nn.Parameter(torch.randn(s)) for s in shapes]
+    mine = [p.detach().clone() for p in ref]
+    m = [torch.zeros_like(p) for p in mine]
+    v = [torch.zeros_like(p) for p in mine]
+    hp = dict(betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1.0, foreach=False, **hp)
+    for step in range(1, 8):
+        lr = 1e-2 / step
+        grads = [torch.randn(s) * 10 ** (step % 3 - 1) for s in shapes]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        for lo, hi, wd in ((0, 2, 0.1), (2, 4, 0.0)):
+            adamw_update(mine[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], step=step, lr=lr, beta1=0.9, beta2=0.95,
+                         eps=1e-8, weight_decay=wd, fused=fused)
+        for i, (a, b) in enumerate(zip(mine, ref)):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7, msg=f"step {step} tensor {i}")
+            torch.testing.assert_close(v[i], opt.state[b]["exp_avg_sq"], rtol=1e-6, atol=0)
+
+
+def test_adamw_update_errors(monkeypatch):
+    from mg_parallel.optimizer import adamw
+
+    t = [torch.zeros(2)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="one of each per tensor"):
+        adamw.adamw_update(t, [], t, t, step=1, **kw)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        adamw.adamw_update(t, t, t, t, step=0, **kw)
+    # A device/dtype without the kernel: fused=True is an error, fused=None falls back to _foreach.
+    monkeypatch.setitem(adamw._FUSED_OK, ("cpu", torch.float32), False)
+    with pytest.raises(ValueError, match="no fused AdamW kernel"):
+        adamw.adamw_update(t, t, t, t, step=1, fused=True, **kw)
+    p, g = [torch.ones(3)], [torch.ones(3)]
+    adamw.adamw_update(p, g, [torch.zeros(3)], [torch.zeros(3)], step=1, **kw)
+    torch.testing.assert_close(p[0], torch.full((3,), 1 - 1e-3), rtol=1e-6, atol=0)  # first step moves by lr

@@ -23,7 +23,8 @@ from torch import nn
 
 from mg_parallel.distributed.ddp import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm
+from mg_parallel.optimizer.adamw import adamw_update
+from mg_parallel.optimizer.clip import _by_device, clip_grads, counts_in_norm, global_grad_norm
 from mg_parallel.optimizer.config import OptimizerConfig
 from mg_parallel.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 
@@ -174,12 +175,13 @@ class MegatronStyleOptimizer:
         """
         grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad for p in self.pieces]
         if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
             found = torch.zeros((), dtype=torch.float32, device=self.grid.device)
-            for g in grads:  # stays on the device: one host sync for the whole check
-                found += (~torch.isfinite(g)).any().to(found.device, torch.float32)
+            for dev_grads in _by_device(grads).values():
+                # Unscales and flags inf/nan in one pass; the flag stays on the device (one host sync).
+                flag = torch.zeros((), dtype=torch.float32, device=dev_grads[0].device)
+                inv = torch.full((), 1.0 / self.scaler.scale, dtype=torch.float32, device=flag.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(dev_grads, flag, inv)
+                found += flag.to(found.device)
             # Every rank (all tp/pp/cp/dp peers) must agree to skip, or parameters would diverge.
             if self.grid.world_size > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -193,9 +195,11 @@ class MegatronStyleOptimizer:
             clip_grads(grads, norm, self.config.clip_grad)
         self.step_count += 1
         self._adamw(grads)
-        for piece in self.pieces:
-            if not piece.aliased:
-                piece.param.data.view(-1)[piece.flat_offset : piece.flat_offset + piece.numel].copy_(piece.main)
+        copies = [(p.param.data.view(-1)[p.flat_offset : p.flat_offset + p.numel], p.main)
+                  for p in self.pieces if not p.aliased]
+        if copies:
+            dst, src = zip(*copies)
+            torch._foreach_copy_(list(dst), list(src))
         self._release_grads()
         if self.distributed:
             for chunk in self.chunks:
@@ -207,19 +211,19 @@ class MegatronStyleOptimizer:
             chunk.release_grad_buffers()
 
     def _adamw(self, grads: list[torch.Tensor]) -> None:
-        # The same arithmetic as torch.optim.AdamW's single-tensor path, piece by piece.
-        step = self.step_count
+        # torch.optim.AdamW's update, one multi-tensor call per parameter group and device.
+        lists: dict[tuple[int, torch.device], tuple[list[torch.Tensor], ...]] = {}
         for piece, g in zip(self.pieces, grads):
-            group = self.param_groups[piece.group]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            p, m, v, gs = lists.setdefault((piece.group, piece.main.device), ([], [], [], []))
+            p.append(piece.main)
+            m.append(piece.exp_avg)
+            v.append(piece.exp_avg_sq)
+            gs.append(g)
+        for (gi, _), (p, m, v, gs) in lists.items():
+            group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            p, m, v = piece.main, piece.exp_avg, piece.exp_avg_sq
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            step_size = lr / (1 - beta1**step)
-            denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-            p.addcdiv_(m, denom, value=-step_size)
+            adamw_update(p, gs, m, v, step=self.step_count, lr=group["lr"], beta1=beta1, beta2=beta2,
+                         eps=group["eps"], weight_decay=group["weight_decay"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
