@@ -51,6 +51,9 @@ from mg_ckpt.sharded import ShardedTensor
 
 __all__ = ["SaveHandle", "finalize", "release_staging_buffers", "save_checkpoint", "wait_for_snapshot"]
 
+CHECKSUM = DEFAULT_CHECKSUM
+"""Checksum algorithm of the shard files written (recorded under its name in ``metadata.json``)."""
+
 # Test hook for crash injection: called with the name of each commit step (see _step).
 _fault_hook: Callable[[str], None] | None = None
 _PENDING: list[SaveHandle] = []
@@ -475,7 +478,7 @@ def _lower_priority() -> None:
 
 def _metadata(iteration, state, tensors, layout, files, world, files_placeholder=False) -> dict[str, Any]:
     if files_placeholder:
-        files = {p["file"]: {"size": 0, DEFAULT_CHECKSUM: ""} for t in tensors.values() for p in t["pieces"]}
+        files = {p["file"]: {"size": 0, CHECKSUM: ""} for t in tensors.values() for p in t["pieces"]}
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -498,7 +501,7 @@ def _write_and_commit(
             before_write()  # the background snapshot: a failure here fails the save on every rank
         _step("before_write")
         if items:
-            info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items)
+            info = write_safetensors(os.path.join(tmp, _shard_name(rank)), items, checksum=CHECKSUM)
             result = (_shard_name(rank), info.entry())
         _step("after_shard")
     except BaseException as e:
