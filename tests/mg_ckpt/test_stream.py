@@ -59,6 +59,12 @@ def test_stream_written_checkpoint_loads_reshards_and_verifies(tmp_path):
         with safe_open(os.path.join(path, f), framework="pt") as st:
             for k in st.keys():
                 assert torch.equal(st.get_tensor(k), state[k])
+    # File entries carry the same checksum algorithm as save_checkpoint's.
+    save_checkpoint(str(tmp_path / "ref"), 0, {"x": torch.ones(3)})
+    ref_meta = json.loads((tmp_path / "ref" / "iter_0000000" / "metadata.json").read_text())
+    meta = json.loads((tmp_path / "iter_0000003" / "metadata.json").read_text())
+    assert {frozenset(e) for e in meta["files"].values()} == {frozenset(e) for e in ref_meta["files"].values()}
+    assert meta["version"] == ref_meta["version"]
     report = inspect_checkpoint(str(tmp_path), verify=True)
     assert report.verified and report.iteration == 3 and {t.name for t in report.tensors} == set(state)
 

@@ -15,14 +15,11 @@ assembled from its pieces by :func:`load_checkpoint`, after verifying every file
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,19 +56,9 @@ def _step(name: str) -> None:
         _fault_hook(name)
 
 
-@functools.cache
-def _incremental_hash_is_loaders() -> bool:
-    """Whether hashing while writing (SHA-256) gives what the loader's verification computes.
-
-    Verification recomputes each file's checksum with ``_io.file_sha256``; should that function
-    change algorithm, the writer falls back to calling it on each finished file (one extra read)
-    rather than recording checksums the loader would reject.
-    """
-    probe = b"mg-ckpt streaming writer checksum probe"
-    with tempfile.NamedTemporaryFile() as f:
-        f.write(probe)
-        f.flush()
-        return _io.file_sha256(f.name) == hashlib.sha256(probe).hexdigest()
+def _checksum_algorithm() -> str:
+    # The algorithm save_checkpoint records (read at each use, so the two writers always agree).
+    return getattr(_save, "CHECKSUM", _io.DEFAULT_CHECKSUM)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -82,19 +69,23 @@ class SafetensorsStreamWriter:
     """Write one safetensors file tensor by tensor: the header (from known shapes/dtypes) first, then each tensor's bytes.
 
     Tensors must be given in the order of ``specs``; the file is a standard safetensors file
-    (readable by ``safetensors.safe_open``). Memory held: the tensor being written.
+    (readable by ``safetensors.safe_open``). Memory held: the tensor being written. The bytes are
+    checksummed as they are written, with the algorithm :func:`save_checkpoint` records (or
+    ``checksum``).
 
     Args:
         path: file to create (replaced if it exists).
         specs: ``(name, shape, dtype)`` of every tensor, in file order; names unique.
         metadata: string metadata for the header (``__metadata__``).
+        checksum: checksum algorithm name (default: the one :func:`save_checkpoint` uses).
 
     Raises:
         ValueError: duplicate names or an unsupported dtype.
         OSError: from the file system.
     """
 
-    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None,
+                 checksum: str | None = None) -> None:
         names = [s[0] for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"SafetensorsStreamWriter: duplicate tensor names for {path}")
@@ -110,7 +101,7 @@ class SafetensorsStreamWriter:
         raw += b" " * (-len(raw) % 8)  # data then starts 8-byte aligned, as the safetensors library writes it
         self.path = path
         self._next = 0
-        self._digest = hashlib.sha256()
+        self._digest = _io.new_file_hasher(checksum or _checksum_algorithm())
         self._size = 0
         self._file = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
         self._write(memoryview(struct.pack("<Q", len(raw)) + raw))
@@ -146,7 +137,7 @@ class SafetensorsStreamWriter:
         self._next += 1
 
     def close(self) -> _io.FileInfo:
-        """fsync and close the file; return its size and checksum.
+        """fsync and close the file; return its size and checksum (``.entry()`` is its metadata.json entry).
 
         Raises:
             ValueError: not every declared tensor was written.
@@ -158,8 +149,7 @@ class SafetensorsStreamWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        digest = self._digest.hexdigest() if _incremental_hash_is_loaders() else _io.file_sha256(self.path)
-        return _io.FileInfo(self._size, digest)
+        return _io.FileInfo(self._size, self._digest.hexdigest(), self._digest.name)
 
     def abort(self) -> None:
         """Close and delete the partial file."""
@@ -201,7 +191,7 @@ class StreamingCheckpointWriter:
     Declare every tensor up front (``specs``), then call :meth:`write` for each in that order and
     :meth:`commit`. Shard files ``stream_00000.safetensors``, ... of at most ``max_shard_bytes``
     are written into ``save_dir/.tmp_iter_N``; :meth:`commit` writes ``metadata.json`` (each file's
-    size and checksum, as :func:`save_checkpoint` records them), renames the directory into place
+    size and checksum, with the algorithm and entry format :func:`save_checkpoint` uses), renames the directory into place
     and updates ``latest``. Used as a context manager, an exception aborts (removes the temporary
     directory) and a normal exit commits.
 
@@ -261,7 +251,7 @@ class StreamingCheckpointWriter:
     def _open_next(self) -> None:
         if self._writer is not None:
             info = self._writer.close()
-            self._infos[os.path.basename(self._writer.path)] = {"size": info.size, "sha256": info.sha256}
+            self._infos[os.path.basename(self._writer.path)] = info.entry()
             self._writer = None
         self._file_index += 1
         if self._file_index < len(self._files):
