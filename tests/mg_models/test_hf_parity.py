@@ -159,3 +159,59 @@ def test_unsupported_checkpoints_name_the_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_act"):
         load_pretrained(tmp_path)
+
+
+def _check_streaming_groups(path, mg_model_of) -> None:
+    """Group-by-group conversion (what `mg convert` streams): shapes planned on meta tensors equal the mg model's
+    own parameters and the Hugging Face model's tensors, each read touches a few tensors, and the round trip is exact."""
+    from mg_models.hf import converted_specs, hf_tensor_ignored, iter_converted, read_hf_config, tensor_groups
+
+    hf_state = load_file(str(path / "model.safetensors"))
+    config, model_type = read_hf_config(path, set(hf_state), hf_state.__getitem__)
+    groups = tensor_groups(config, model_type)
+    mg_specs = converted_specs(groups, lambda n: (hf_state[n].shape, hf_state[n].dtype), "mg")
+    mg_params = {k: tuple(v.shape) for k, v in mg_model_of(config).state_dict().items()}
+    assert {n: s for n, s, _ in mg_specs} == mg_params  # the model's own shapes: an independent reference
+    reads = []
+
+    def read_hf(names):
+        reads.append(len(names))
+        return {n: hf_state[n] for n in names}
+
+    mg_state = dict(iter_converted(groups, read_hf, "mg"))
+    assert max(reads) <= 3 and len(reads) == len(groups)
+    assert [(n, tuple(t.shape), t.dtype) for n, t in mg_state.items()] == mg_specs
+    planned = converted_specs(groups, lambda n: (mg_state[n].shape, mg_state[n].dtype), "hf")
+    back = dict(iter_converted(groups, lambda names: {n: mg_state[n] for n in names}, "hf"))
+    assert [(n, tuple(t.shape), t.dtype) for n, t in back.items()] == planned
+    kept = {n: t for n, t in hf_state.items() if not hf_tensor_ignored(n, config, model_type)}
+    assert sorted(back) == sorted(kept) and all(torch.equal(back[n], kept[n]) for n in kept)
+
+
+def test_streaming_groups_plan_shapes_and_round_trip(saved):
+    from mg_models import GPTModel
+
+    _check_streaming_groups(saved[2], GPTModel)
+
+
+@pytest.mark.parametrize("arch", ["bert", "bert-mlm", "t5-v1.0", "t5-v1.1"])
+def test_streaming_groups_for_bert_and_t5(arch, tmp_path):
+    from mg_models.bert import BertModel
+    from mg_models.t5 import T5Model
+
+    torch.manual_seed(0)
+    if arch.startswith("bert"):
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=48, max_position_embeddings=64)
+        hf = (transformers.BertForPreTraining if arch == "bert" else transformers.BertForMaskedLM)(cfg)
+        model_of = BertModel
+    else:
+        v11 = arch == "t5-v1.1"
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=1,
+                                    num_heads=4, feed_forward_proj="gated-gelu" if v11 else "relu",
+                                    tie_word_embeddings=not v11)
+        hf = transformers.T5ForConditionalGeneration(cfg)
+        model_of = T5Model
+    _randomise_small_params(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _check_streaming_groups(tmp_path, model_of)
