@@ -171,7 +171,7 @@ def write_safetensors(
 
     Names must be unique. The checksum (``checksum``: one of :data:`CHECKSUM_ALGORITHMS`) of the
     whole file runs in a helper thread on the chunks already written, so it overlaps the writing
-    (both release the GIL).
+    and the final fsync (both release the GIL).
 
     Raises:
         ValueError: duplicate names, a non-CPU or non-contiguous tensor, an unsupported dtype or
@@ -189,7 +189,9 @@ def write_safetensors(
     items = sorted(items, key=lambda it: -it[1].element_size())
     head = build_header(items, metadata)
     digest = new_file_hasher(checksum)
-    chunks: queue.Queue[memoryview | None] = queue.Queue(maxsize=4)
+    # Unbounded: the chunks are views of the caller's tensors (no copies), and letting the
+    # checksum lag lets it finish during the fsync, when the disk, not the CPU, is busy.
+    chunks: queue.Queue[memoryview | None] = queue.Queue()
 
     def hasher() -> None:
         while (c := chunks.get()) is not None:
