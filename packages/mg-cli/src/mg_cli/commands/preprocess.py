@@ -15,7 +15,7 @@ import click
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only).")
 @click.option("--json-keys", default="text", help="Comma-separated JSON keys; one output pair per key.")
 @click.option("--append-eod", is_flag=True, help="Append the tokenizer's end-of-document id to every document.")
-@click.option("--split-sentences", is_flag=True, help="One sequence per sentence (outputs named _sentence).")
+@click.option("--split-sentences", is_flag=True, help="One sequence per sentence (outputs named _sentence), as model.type=bert needs.")
 @click.option("--workers", type=int, default=1, help="Worker processes.")
 @click.option("--partition-mb", type=int, default=64, help="Input MB per partition (unit of work and of resumption).")
 @click.option("--skip-bad-lines", is_flag=True, help="Skip and count malformed lines instead of stopping.")

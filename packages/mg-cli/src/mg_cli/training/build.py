@@ -50,8 +50,8 @@ def model_config(config: RunConfig, vocab_size: int) -> Any:
         return bert_model_config(config, vocab_size)
     if m.type == "t5":
         return t5_model_config(config, vocab_size)
-    for key in ("kv_channels", "num_decoder_layers", "decoder_seq_length"):
-        if key != "kv_channels" and getattr(m, key) is not None:
+    for key in ("num_decoder_layers", "decoder_seq_length"):
+        if getattr(m, key) is not None:
             raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for gpt")
     if m.activation in ("relu", "gated-gelu"):
         raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
