@@ -234,32 +234,50 @@ _NULL = _Null()
 
 
 class TiedGradient:
-    """Lets a tied word embedding add its gradient into the output projection's, in place.
+    """Lets tied word-embedding lookups add their gradient into the output projection's, in place.
 
-    With tied weights, autograd gives the table two gradients: the projection's, dense
-    ``[V, h]``, and the lookup's, dense ``[V, h]`` too although only the looked-up rows are
-    non-zero; then it adds them into a third ``[V, h]`` tensor. :func:`tied_projection` hands its
-    weight gradient to this object and :func:`tied_embedding` (whose backward always runs later
-    in the same pass, being upstream of the projection) adds its rows into that tensor and
-    returns no gradient of its own, so one ``[V, h]`` tensor is written instead of three.
-    Use one object per forward pass; the weight must be the same tensor in both calls.
+    With tied weights, autograd gives the table one dense ``[V, h]`` gradient per use (the
+    projection's, and each lookup's although only the looked-up rows are non-zero), then adds
+    them into fresh ``[V, h]`` tensors. :func:`tied_projection` hands its weight gradient to this
+    object and each :func:`tied_embedding` of the same forward (whose backward runs later in the
+    same pass, being upstream of the projection) adds its rows into that tensor and returns no
+    gradient of its own, so one ``[V, h]`` tensor is written instead of several. Use one object
+    per forward pass, with the very same weight tensor in every call.
     """
 
     def __init__(self) -> None:
         self._grad: torch.Tensor | None = None
         self._task = -1
+        self._pending = 0
+        self._lookups = 0
         self.weight: torch.Tensor | None = None
-        """The table :func:`tied_embedding` looked up (the projection fuses only with that very tensor)."""
+        """The table the lookups read (the projection fuses only with that very tensor)."""
+
+    def bind(self, weight: torch.Tensor) -> None:
+        """Record a lookup of ``weight`` (forward of :func:`tied_embedding`).
+
+        Raises:
+            ValueError: an earlier lookup of this object used another tensor.
+        """
+        if self.weight is not None and self.weight is not weight:
+            raise ValueError("one TiedGradient serves one weight tensor; create one per tied table and forward")
+        self.weight = weight
+        self._lookups += 1
 
     def stash(self, grad: torch.Tensor) -> None:
-        """Keep the projection's weight gradient for the embedding backward of the same pass."""
-        self._grad, self._task = grad, torch._C._current_graph_task_id()
+        """Keep the projection's weight gradient for the lookups' backward in the same pass."""
+        self._grad, self._task, self._pending = grad, torch._C._current_graph_task_id(), self._lookups
 
     def take(self) -> torch.Tensor | None:
-        """The stashed gradient if it belongs to the running backward pass (None otherwise); clears it,
-        so autograd can hand that tensor to ``.grad`` without a copy."""
-        grad, self._grad = self._grad, None
-        return grad if grad is not None and self._task == torch._C._current_graph_task_id() else None
+        """The stashed gradient if it belongs to the running backward pass, else None. The last lookup
+        releases it, so autograd can hand that tensor to ``.grad`` without a copy."""
+        grad = self._grad
+        if grad is None or self._task != torch._C._current_graph_task_id():
+            return None
+        self._pending -= 1
+        if self._pending <= 0:
+            self._grad = None
+        return grad
 
 
 class _TiedProjection(torch.autograd.Function):
@@ -292,7 +310,7 @@ class _TiedEmbedding(torch.autograd.Function):
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, tied: TiedGradient) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.tied, ctx.rows = tied, weight.shape[0]
-        tied.weight = weight
+        tied.bind(weight)
         return F.embedding(ids, weight)
 
     @staticmethod

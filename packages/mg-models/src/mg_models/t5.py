@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.init import normal_init
-from mg_models.layers import RMSNorm
+from mg_models.layers import RMSNorm, TiedGradient, tied_embedding, tied_projection
 from mg_models.spec import BuildContext
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
@@ -397,7 +397,9 @@ class T5Model(nn.Module):
                     seed, "output_layer.weight", config.init_factor * config.hidden_size ** -0.5),
                 dtype=dtype, device=grid.device)
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, tied: TiedGradient | None = None) -> torch.Tensor:
+        if tied is not None:
+            return tied_embedding(ids.t(), self.word_embeddings.weight, tied)  # [s, b, h]
         return self.word_embeddings(ids.t())  # [s, b, h]
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -412,16 +414,27 @@ class T5Model(nn.Module):
 
         With ``cache`` only the new decoder tokens are passed; earlier ones come from the cache.
         """
+        return self._decode(decoder_input_ids, encoder_output, attention_mask, decoder_attention_mask, labels,
+                            gather_logits, cache, None)
+
+    def _decode(self, decoder_input_ids: torch.Tensor, encoder_output: torch.Tensor,
+                attention_mask: torch.Tensor | None, decoder_attention_mask: torch.Tensor | None,
+                labels: torch.Tensor | None, gather_logits: bool | None, cache: T5DecoderCache | None,
+                tied: TiedGradient | None) -> torch.Tensor:
         c = self.config
         if cache is not None and decoder_attention_mask is not None:
             raise ValueError("decoder_attention_mask is not supported with a cache; decoding is left-aligned")
-        x = self.decoder(self._embed(decoder_input_ids), decoder_attention_mask, encoder_output, attention_mask, cache)
+        x = self.decoder(self._embed(decoder_input_ids, tied), decoder_attention_mask, encoder_output, attention_mask,
+                         cache)
         if cache is not None:
             cache.offset += decoder_input_ids.shape[1]
         if c.scale_output:
             x = x * c.hidden_size ** -0.5
         weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        logits = F.linear(copy_to_tp_region(x, self.ctx.tp_group), weight)  # [t, b, V_pad/tp]
+        if tied is not None:
+            logits = tied_projection(x, weight, None, tied)  # [t, b, V_pad]
+        else:
+            logits = F.linear(copy_to_tp_region(x, self.ctx.tp_group), weight)  # [t, b, V_pad/tp]
         if labels is not None:
             loss = vocab_parallel_cross_entropy(logits.float(), labels.t(), tp_group=self.ctx.tp_group,
                                                 vocab_size=c.vocab_size)
@@ -441,9 +454,12 @@ class T5Model(nn.Module):
             ``(logits_or_loss, encoder_output)``: decoder logits [b, t, V_pad/tp] ([b, t, vocab] when gathered)
             or, with ``labels`` [b, t] (-100 = ignore), the per-token loss [b, t] (fp32); encoder output [s, b, h].
         """
-        memory = self.encode(input_ids, attention_mask)
-        out = self.decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask, labels=labels,
-                          gather_logits=gather_logits)
+        tied = None
+        if labels is not None and self.output_layer is None and self.ctx.tp_size == 1 and torch.is_grad_enabled():
+            tied = TiedGradient()  # both lookups and the head share one weight: one [V, h] gradient
+        memory = self.encoder(self._embed(input_ids, tied), attention_mask)
+        out = self._decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask, labels, gather_logits,
+                           None, tied)
         return out, memory
 
 
