@@ -59,6 +59,8 @@ def test_hf_round_trip_through_mg_checkpoint(arch, tmp_path):
     mg("convert", "--from", "hf", "--input", str(src), "--output", str(tmp_path / "ckpt"), "--tp", "2")
     inspect = mg("inspect", str(tmp_path / "ckpt")).stdout
     assert "iteration 0" in inspect and "checksums verified" in inspect
+    family = {"gpt2": "gpt", "llama": "gpt"}.get(arch, arch)
+    assert f"model family {family} (converted from Hugging Face {arch})" in inspect
     mg("convert", "--to", "hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "back"),
        "--max-shard-gb", "0.00003")  # several shards
 

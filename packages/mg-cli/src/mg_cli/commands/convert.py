@@ -18,6 +18,8 @@ import click
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "generation_config.json", "spiece.model", "vocab.txt")
 _GPT_TYPES = ("gpt2", "llama", "mistral")
+# Token ids of config.json kept through an import and restored on export.
+_TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
 @click.command("convert", context_settings={"show_default": True})
@@ -115,8 +117,10 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
     specs = converted_specs(groups, reader.spec, "mg")
     extra = {"iteration": 0, "model_family": family, "model_config": config.to_dict(), "hf_model_type": model_type,
              "source": str(src.resolve())}
+    hf_config = json.loads((src / "config.json").read_text())
+    extra["hf_token_ids"] = {k: hf_config[k] for k in _TOKEN_ID_KEYS if k in hf_config}
     if family == "t5":
-        start = json.loads((src / "config.json").read_text()).get("decoder_start_token_id")
+        start = hf_config.get("decoder_start_token_id")
         extra["decoder_start_token_id"] = int(start) if start is not None else 0
     for name in ("tokenizer.model", "spiece.model", "tokenizer.json"):
         if (src / name).exists():
@@ -143,6 +147,26 @@ def _export_type(family: str, requested: str | None, extra: dict[str, Any], conf
         "gpt2" if config.position_embedding == "learned" else "llama")
 
 
+def _token_ids(extra: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """config.json token ids: those recorded at import, else (T5 trained by mg) the tokenizer's pad and eod."""
+    if "hf_token_ids" in extra:
+        return dict(extra["hf_token_ids"])
+    if model_type != "t5" or not extra.get("tokenizer_model"):
+        return {}
+    from mg_cli.checkpoints import padding_id
+    from mg_data import build_tokenizer
+
+    try:
+        tok = build_tokenizer(extra["tokenizer_model"])
+    except (OSError, ValueError):
+        return {}  # the recorded tokenizer moved: keep the adapter's T5 defaults
+    pad = padding_id(tok)
+    out: dict[str, Any] = {} if pad is None else {"pad_token_id": pad, "decoder_start_token_id": pad}
+    if tok.eod is not None:
+        out["eos_token_id"] = int(tok.eod)
+    return out
+
+
 def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int, tokenizer_dir: Path | None) -> None:
     from mg_ckpt import CheckpointError, CheckpointReader, write_hf_safetensors
     from mg_cli.checkpoints import MODEL_PREFIX, config_from_state, model_family
@@ -153,6 +177,7 @@ def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int
     config = config_from_state(extra, reader.path)
     model_type = _export_type(model_family(extra), model_type, extra, config)
     hf_config = config_to_hf(config, model_type)
+    hf_config.update(_token_ids(extra, model_type))
     groups = tensor_groups(config, model_type)
     missing = [n for g in groups for n in g.mg if MODEL_PREFIX + n not in reader.specs]
     if missing:

@@ -15,8 +15,8 @@ def _encoder_only(where: str) -> click.ClickException:
                                 f"use a GPT or T5 checkpoint")
 
 
-def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int]:
-    """``(model, checkpoint state or {}, decoder start id)``; each file's metadata read once."""
+def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]:
+    """``(model, checkpoint state or {}, decoder start id if recorded)``; each file's metadata read once."""
     from mg_cli.checkpoints import config_from_state, is_mg_checkpoint, model_family, read_model_state
     from mg_models import load_pretrained, model_from_state
 
@@ -29,13 +29,14 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int]:
             raise _encoder_only(checkpoint)
         config = config_from_state(reader.extra, reader.path)
         model = model_from_state(config, read_model_state(reader, config, family), dtype=dtype)
-        return model, reader.extra, int(reader.extra.get("decoder_start_token_id", 0))
+        start = reader.extra.get("decoder_start_token_id")
+        return model, reader.extra, None if start is None else int(start)
     cfg_file = Path(checkpoint) / "config.json"
     hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     if hf_config.get("model_type") == "bert":
         raise _encoder_only(checkpoint)
-    start = hf_config.get("decoder_start_token_id")
-    return load_pretrained(checkpoint, dtype=dtype), {}, int(start if start is not None else 0)
+    start = hf_config.get("decoder_start_token_id", 0 if hf_config.get("model_type") == "t5" else None)
+    return load_pretrained(checkpoint, dtype=dtype), {}, None if start is None else int(start)
 
 
 @click.command("generate", context_settings={"show_default": True})
@@ -69,7 +70,7 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     """
     import torch
 
-    from mg_cli.checkpoints import register
+    from mg_cli.checkpoints import padding_id, register
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
@@ -90,6 +91,11 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
                                   stop_token_ids=(tok.eod,) if stop_at_eod and tok.eod is not None else ())
         seq2seq = isinstance(model, T5Model)
         if seq2seq:
+            # mg train starts T5 targets with the padding token (Hugging Face's convention too, where it is 0).
+            start_id = start_id if start_id is not None else padding_id(tok)
+            if start_id is None:
+                raise click.ClickException(f"{checkpoint} records no decoder start token and the tokenizer has no "
+                                           f"padding token; pass the tokenizer the model was trained with")
             out = generate_seq2seq(model, ids, sampling, decoder_start_token_id=start_id)
         else:
             out = run_generate(model, ids, sampling)

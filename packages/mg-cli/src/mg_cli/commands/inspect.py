@@ -56,11 +56,16 @@ def inspect(path: str, no_verify: bool, all_tensors: bool, as_json: bool) -> Non
         report = inspect_checkpoint(path, verify=not no_verify)
     except (CheckpointError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    # Checkpoints written by mg train / mg convert record the model; others (any mg-ckpt user) need not.
+    family = report.state.get("model_family", "gpt") if "model_config" in report.state else None
     if as_json:
         click.echo(json.dumps({
             "path": report.path, "iteration": report.iteration, "layout": report.layout,
-            "verified": report.verified, "total_bytes": report.total_bytes,
+            "verified": report.verified, "total_bytes": report.total_bytes, "model_family": family,
             "tensors": {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in report.tensors},
         }))
     else:
         click.echo(report.format(max_tensors=None if all_tensors else 50))
+        if family is not None:
+            source = report.state.get("hf_model_type")
+            click.echo(f"  model family {family}" + (f" (converted from Hugging Face {source})" if source else ""))
