@@ -76,11 +76,16 @@ def test_hf_round_trip_through_mg_checkpoint(arch, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=0, atol=0)
     if arch == "bert":  # encoder-only: generation is refused in one line, from either format
+        from click.testing import CliRunner
+
+        from mg_cli.main import cli
+
         for path in (src, tmp_path / "ckpt"):
-            proc = mg("generate", "--checkpoint", str(path), "--tokenizer-model", "unused.model", "--prompt", "x",
-                      check=False)
-            assert proc.returncode == 1 and "encoder-only" in proc.stderr, proc.stderr
-            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            result = CliRunner().invoke(cli, ["generate", "--checkpoint", str(path), "--tokenizer-model",
+                                              "unused.model", "--prompt", "x"])
+            assert result.exit_code == 1 and "encoder-only" in result.stderr, result.output
+            assert result.stderr.strip().splitlines() == [f"Error: {path} is a BERT model (encoder-only): it cannot "
+                                                          f"generate text; use a GPT or T5 checkpoint"]
 
 
 def test_t5_generate_matches_transformers_from_hf_and_mg(tmp_path, corpus):
