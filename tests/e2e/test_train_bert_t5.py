@@ -14,6 +14,7 @@ LAYOUTS = {
         "tp2": (2, ["parallel.tp=2"], "tp=2 pp=1 dp=1"),
         "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], "tp=1 pp=1 dp=2"),
         "pp2": (2, ["parallel.pp=2"], "tp=1 pp=2 dp=1"),
+        "recompute": (1, ["parallel.recompute=full"], "tp=1 pp=1 dp=1"),
     },
     "t5": {
         "tp2": (2, ["parallel.tp=2"], "tp=2 pp=1 dp=1"),
