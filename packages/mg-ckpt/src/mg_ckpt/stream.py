@@ -186,7 +186,7 @@ def plan_files(specs: Sequence[TensorSpec], max_file_bytes: int) -> list[list[Te
 
 
 class StreamingCheckpointWriter:
-    """Write an mg checkpoint ``save_dir/iter_{N:07d}`` one logical tensor at a time (single process).
+    """Write an mg checkpoint ``save_dir/iter_{N:07d}`` one logical tensor at a time (one process, no collectives).
 
     Declare every tensor up front (``specs``), then call :meth:`write` for each in that order and
     :meth:`commit`. Shard files ``stream_00000.safetensors``, ... of at most ``max_shard_bytes``
@@ -333,7 +333,8 @@ class CheckpointReader:
     Each :meth:`read` assembles whole global tensors from their pieces with
     :func:`load_checkpoint` (positioned reads into fresh memory), so memory holds only the
     tensors asked for. With ``verify`` every shard file's size and checksum are checked once, up
-    front (sequential reads, constant memory).
+    front (sequential reads, constant memory). :meth:`read` is :func:`load_checkpoint`, hence
+    collective when ``torch.distributed`` is initialised: use it in one process, or on every rank.
 
     Args:
         path: a checkpoint directory or a save directory (its latest checkpoint).
