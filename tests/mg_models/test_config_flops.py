@@ -77,6 +77,18 @@ def test_bert_flops_per_token_matches_torch_flop_counter(binary_head):
 
     assert flops_per_token(config, s, padded_vocab=True) == pytest.approx(_counted_flops(run) / (b * s), rel=1e-12)
     assert flops_per_token(config, s, recompute=True) > flops_per_token(config, s)
+    # The training loss projects only the masked positions.
+    labels = torch.full((b, s), -100)
+    labels[:, 3:7] = ids[:, 3:7]
+
+    def run_loss():
+        lm, binary = model(ids, torch.zeros_like(ids), torch.ones_like(ids), lm_labels=labels)
+        (lm.sum() + (binary.sum() if binary is not None else 0)).backward()
+
+    assert flops_per_token(config, s, padded_vocab=True, masked_lm_fraction=4 / s) == pytest.approx(
+        _counted_flops(run_loss) / (b * s), rel=1e-12)
+    with pytest.raises(ValueError, match="masked_lm_fraction"):
+        flops_per_token(config, s, masked_lm_fraction=1.5)
     assert BertConfig.from_dict(config.to_dict()) == config and type(BertConfig.from_dict(config.to_dict())) is BertConfig
 
 

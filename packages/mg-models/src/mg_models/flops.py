@@ -38,11 +38,13 @@ def num_parameters(config: GPTConfig, *, include_embedding: bool = True) -> int:
 
 
 def flops_per_token(config: Any, seq_length: int, *, recompute: bool = False, padded_vocab: bool = False,
-                    decoder_seq_length: int | None = None) -> float:
+                    decoder_seq_length: int | None = None, masked_lm_fraction: float | None = None) -> float:
     """Training FLOPs per token (forward + backward) for sequences of ``seq_length`` tokens.
 
     GPT and BERT count per input token. BERT adds its MLM transform (dense ``h x h``) to the head and
-    its pooler + binary head once per sequence (spread over its tokens). T5 counts per *encoder*
+    its pooler + binary head once per sequence (spread over its tokens); its training loss runs the
+    transform and the vocabulary projection on the masked positions only, a share given by
+    ``masked_lm_fraction``. T5 counts per *encoder*
     token (``seq_length`` = encoder length): the FLOPs of a whole sample, encoder, decoder of
     ``decoder_seq_length`` tokens (self-attention, cross-attention to the encoder output, and the
     cross-attention keys/values of every encoder token in every decoder layer) and the head over the
@@ -54,9 +56,11 @@ def flops_per_token(config: Any, seq_length: int, *, recompute: bool = False, pa
         recompute: full activation recompute (one extra forward of every layer; GPT and BERT).
         padded_vocab: count the head over the padded vocabulary (what is computed) instead of the real one.
         decoder_seq_length: T5 only: decoder tokens per sample (None: ``seq_length``).
+        masked_lm_fraction: BERT only: share of the tokens that go through the MLM transform and
+            projection (None: all, as when the model returns logits).
 
     Raises:
-        ValueError: seq_length or decoder_seq_length < 1.
+        ValueError: seq_length or decoder_seq_length < 1, masked_lm_fraction outside [0, 1].
     """
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
@@ -73,7 +77,10 @@ def flops_per_token(config: Any, seq_length: int, *, recompute: bool = False, pa
     layer_fwd = 2 * (linear + attention)
     head_fwd = 2 * h * vocab
     if hasattr(c, "add_binary_head"):  # BertConfig
-        head_fwd += 2 * h * h  # the MLM transform's dense layer
+        frac = 1.0 if masked_lm_fraction is None else masked_lm_fraction
+        if not 0.0 <= frac <= 1.0:
+            raise ValueError(f"masked_lm_fraction={masked_lm_fraction} must be in [0, 1]")
+        head_fwd = frac * (head_fwd + 2 * h * h)  # the MLM transform's dense layer, then the projection
         if c.add_binary_head:
             head_fwd += 2 * (h * h + 2 * h) / seq_length  # pooler and binary head, once per sequence
     return float(c.num_layers * layer_fwd * passes + head_fwd * 3)

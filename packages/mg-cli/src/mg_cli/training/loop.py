@@ -209,9 +209,14 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     forward_backward = get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None)
     family = config.model.type
     # T5: tokens are encoder tokens, and the FLOPs per encoder token include the decoder's share.
+    # BERT: the MLM head runs on the masked positions only (at most this many per sample).
     ds = data.ds_config
     decoder_len = getattr(ds, "decoder_seq_length", None) or getattr(ds, "decoder_length", None)
-    flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full", decoder_seq_length=decoder_len)
+    masked = None
+    if family == "bert":
+        masked = max(1, round(ds.masked_lm_prob * ds.max_num_tokens)) / seq
+    flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full", decoder_seq_length=decoder_len,
+                                masked_lm_fraction=masked)
     peak = measure_matmul_peak(dtype, grid.device) * grid.world_size
     stop = _StopFlag()
     stop.install()
