@@ -142,3 +142,39 @@ def test_slices_with_long_runs_and_odd_destinations(tmp_path):
     flat = ShardedTensor(torch.zeros(5000), (16, 4096), (0, 2048), (16, 2048), (1000, 6000))
     load_checkpoint(str(tmp_path), {"w": flat})
     assert torch.equal(flat.local, w[:, 2048:].reshape(-1)[1000:6000])
+
+
+def test_writer_flushes_early_and_reports_flush_errors(tmp_path, monkeypatch):
+    import threading
+
+    import mg_ckpt._io as io_mod
+
+    monkeypatch.setattr(io_mod, "_CHUNK", 4096)
+    monkeypatch.setattr(io_mod, "_FLUSH_EVERY", 8192)
+    real, flushed, failed = os.fdatasync, threading.Event(), threading.Event()
+
+    def counting(fd):
+        real(fd)
+        flushed.set()
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    items = [("a", torch.randn(64, 256)), ("b", torch.arange(3000, dtype=torch.int64))]
+    path = str(tmp_path / "x.safetensors")
+    info = write_safetensors(path, items)  # output intact whether or not a flush ran meanwhile
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[n], t) for n, t in items) and info.size == os.path.getsize(path)
+    with open(tmp_path / "z.bin", "wb", buffering=0) as f, io_mod._EarlyFlush(f.fileno()) as flusher:
+        f.write(b"x" * 10000)
+        flusher.written(10000)
+        assert flushed.wait(30)  # a flush starts before the file is complete
+
+    def failing(fd):
+        failed.set()
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError, match="injected"):
+        with open(tmp_path / "y.bin", "wb", buffering=0) as f, io_mod._EarlyFlush(f.fileno()) as flusher:
+            f.write(b"x" * 10000)
+            flusher.written(10000)
+            assert failed.wait(30)
