@@ -20,7 +20,7 @@ is shared, so a single run says little):
   loading the whole state from the tp=1 checkpoint is printed too;
 * async stall: a training-like loop (matmuls, ~``--step`` seconds, then an in-place update of the
   whole state as an optimizer step would) triggers an async save; the triggering step's time vs
-  the median of the normal steps measured just before. Default mode (the call returns after the
+  the median of 4 normal steps measured around it (2 before, 2 after the save). Default mode (the call returns after the
   copy) and ``background_snapshot=True`` (the copy overlaps the matmuls; the loop calls
   ``wait_for_snapshot()`` right before its in-place update).
 """
@@ -252,7 +252,7 @@ def main() -> None:
 
         def trigger(iteration: int, background: bool) -> tuple[float, float, float, float, list[float]]:
             clean()  # no deletion of an older checkpoint overlaps the steps measured
-            base = statistics.median(timed(train_step) for _ in range(2))
+            normal = [timed(train_step) for _ in range(2)]
             t = time.perf_counter()
             handle = save_checkpoint(save_dir, iteration, state, async_save=True, background_snapshot=background)
             t_call = time.perf_counter() - t
@@ -261,9 +261,11 @@ def main() -> None:
             t_wait = waits[-1]
             during = []
             while not handle.done() and len(during) < 1:  # bounded: the writer may be starved of CPU
-                during.append(timed(train_step) / base)
+                during.append(timed(train_step))
             handle.wait()
-            return base, t_call, t_wait, t_step, during
+            normal += [timed(train_step) for _ in range(2)]  # the load drifts: normal steps on both sides
+            base = statistics.median(normal)
+            return base, t_call, t_wait, t_step, [d / base for d in during]
 
         # The first asynchronous save allocates and first-touches the staging buffers (kept for the
         # next saves, whichever mode): a one-off cost, timed here and left out of the steady state.
@@ -276,7 +278,7 @@ def main() -> None:
                 runs.append((background, i) + trigger(10 + 2 * i + background, background))
         finalize()
         print(f"async save ({gb:.2f} GB snapshot), training-like step ~{args.step:.0f} s; each triggering step vs the "
-              f"median of the 2 normal steps just before it (first save's call, allocating buffers: {t_first:.2f} s):")
+              f"median of 4 normal steps, 2 before it and 2 after the save completed (first save's call, allocating buffers: {t_first:.2f} s):")
         for background, i, base, t_call, t_wait, t_step, during in runs:
             mode = "background_snapshot" if background else "default            "
             later = f"{statistics.mean(during):.2f} x" if during else "-"
