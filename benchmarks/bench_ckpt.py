@@ -273,7 +273,7 @@ def main() -> None:
         t_first = timed(lambda: save_checkpoint(save_dir, 9, state, async_save=True))
         finalize()
         runs = []
-        for i in range(2):  # the modes alternate
+        for i in range(3):  # the modes alternate
             for background in (False, True):
                 runs.append((background, i) + trigger(10 + 2 * i + background, background))
         finalize()
@@ -286,8 +286,8 @@ def main() -> None:
                   f"call returned after {t_call:.2f} s, wait_for_snapshot {t_wait:.2f} s; next {len(during)} steps {later}")
         for background in (False, True):
             steady = [t_step / base for bg, i, base, _, _, t_step, _ in runs if bg == background]
-            print(f"  mean triggering step, {'background_snapshot' if background else 'default'}: "
-                  f"{statistics.mean(steady):.2f} x normal")
+            print(f"  median triggering step, {'background_snapshot' if background else 'default'}: "
+                  f"{statistics.median(steady):.2f} x normal")
         print(f"total {time.perf_counter() - t_start:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
