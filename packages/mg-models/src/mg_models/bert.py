@@ -305,7 +305,7 @@ class BertModel(nn.Module):
         if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
             raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
         tied = None
-        if lm_labels is not None and self.pre_process and self.ctx.tp_size == 1 and torch.is_grad_enabled():
+        if self.pre_process and self.post_process and self.ctx.tp_size == 1 and torch.is_grad_enabled():
             tied = TiedGradient()  # embedding and MLM projection share one weight here: one [V, h] gradient
         x = self.embedding(input_ids, token_type_ids, tied) if self.pre_process else self.input_tensor
         if attention_mask is not None:
@@ -329,7 +329,10 @@ class BertModel(nn.Module):
         weight = self.embedding.word_embeddings.weight if self.pre_process else None
         if lm_labels is not None:
             return self._masked_lm_loss(x, lm_labels, weight, tied), binary
-        logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
+        if tied is not None:
+            logits = tied_projection(self.lm_head(x), weight, self.lm_head.bias, tied)  # [s, b, V_pad]
+        else:
+            logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
         logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
         if gather_logits if gather_logits is not None else self.gather_logits_default:
             logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]

@@ -455,7 +455,7 @@ class T5Model(nn.Module):
             or, with ``labels`` [b, t] (-100 = ignore), the per-token loss [b, t] (fp32); encoder output [s, b, h].
         """
         tied = None
-        if labels is not None and self.output_layer is None and self.ctx.tp_size == 1 and torch.is_grad_enabled():
+        if self.output_layer is None and self.ctx.tp_size == 1 and torch.is_grad_enabled():
             tied = TiedGradient()  # both lookups and the head share one weight: one [V, h] gradient
         memory = self.encoder(self._embed(input_ids, tied), attention_mask)
         out = self._decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask, labels, gather_logits,
