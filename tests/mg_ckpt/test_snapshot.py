@@ -115,9 +115,13 @@ def test_a_failed_background_copy_fails_the_save(tmp_path, monkeypatch):
     assert latest_iteration(str(tmp_path)) == 1
 
 
-def test_background_snapshot_needs_async_save(tmp_path):
+def test_background_snapshot_needs_async_save_and_a_supported_device(tmp_path):
     with pytest.raises(ValueError, match="background_snapshot"):
         save_checkpoint(str(tmp_path), 1, _state(1), background_snapshot=True)
+    # Refused while the ranks still agree (with the gathered descriptions), so no rank hangs.
+    with pytest.raises(CheckpointError, match="background_snapshot supports CPU and CUDA tensors, not \\['meta'\\]"):
+        save_checkpoint(str(tmp_path), 1, {"w": torch.zeros(3, device="meta")}, async_save=True, background_snapshot=True)
+    assert latest_iteration(str(tmp_path)) is None
 
 
 def background_snapshot_on_ranks(save_dir: str) -> list[str]:

@@ -253,9 +253,7 @@ class _SnapshotCopy:
                 self._chunks += _chunked(dst, src)
             else:
                 self._device.append((dst, src))
-        if self._device:
-            if any(src.device.type != "cuda" for _, src in self._device):
-                raise ValueError("background_snapshot supports CPU and CUDA tensors only; pass background_snapshot=False")
+        if self._device:  # CUDA only: save_checkpoint refused other devices on every rank
             self._stream = torch.cuda.Stream(device=self._device[0][1].device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device[0][1].device))
             for _, src in self._device:
@@ -396,6 +394,9 @@ def save_checkpoint(
             for name, p in pieces.items()
             if p.flat_range is None or p.flat_range[0] < p.flat_range[1]
         ]
+        odd = sorted({p.local.device.type for p in pieces.values()} - {"cpu", "cuda"})
+        if background_snapshot and odd:
+            raise ValueError(f"background_snapshot supports CPU and CUDA tensors, not {odd}; pass background_snapshot=False")
     except ValueError as e:
         mine = f"rank {rank}: {e}"
     gathered = _dist.all_gather(mine, grp)
