@@ -37,6 +37,22 @@ def test_same_layout_is_bit_exact(corpus, straight, tmp_path):
         assert resumed[it] == ref[it], f"iteration {it}: {resumed[it]!r} != {ref[it]!r}"
 
 
+def test_async_saves_leave_training_unchanged_and_resume_exactly(corpus, straight, tmp_path):
+    """Background-snapshot saves every 3 iterations: the run's own losses are untouched, and a
+    checkpoint written while the next iteration ran resumes bit-exactly."""
+    root, ref = straight
+    ckpt = tmp_path / "ckpt"
+    mg(*tiny_args(corpus, tmp_path / "async", f"checkpoint.save={ckpt}", "checkpoint.interval=3",
+                  "checkpoint.async=true"))
+    assert train_losses(tmp_path / "async") == ref
+    assert (ckpt / "iter_0000006" / "metadata.json").is_file()
+    mg(*tiny_args(corpus, tmp_path / "resumed", f"checkpoint.load={ckpt / 'iter_0000006'}"))
+    resumed = train_losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(7, 21))
+    for it in range(7, 21):
+        assert resumed[it] == ref[it], f"iteration {it}: {resumed[it]!r} != {ref[it]!r}"
+
+
 @pytest.mark.parametrize("nproc, sets", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]),
                                          (2, ["parallel.distributed_optimizer=true"])])
 def test_changed_layout_within_tolerance(corpus, straight, tmp_path, nproc, sets):

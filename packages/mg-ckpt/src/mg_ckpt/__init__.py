@@ -5,6 +5,7 @@ Public API:
 * :class:`ShardedTensor` — this rank's piece (block or flat range of a block) of a global tensor;
 * :func:`save_checkpoint` / :class:`SaveHandle` / :func:`finalize` — collective, atomic, optionally
   asynchronous save into ``save_dir/iter_{N:07d}`` with a ``latest`` pointer and retention;
+  :func:`wait_for_snapshot` — with ``background_snapshot=True``, wait before mutating saved state;
 * :func:`load_checkpoint` — fill a state template from a checkpoint saved at any layout;
 * :func:`inspect_checkpoint` — describe (and verify) a checkpoint without loading it;
 * :func:`write_hf_safetensors` / :func:`iter_hf_safetensors` — streaming Hugging Face style
@@ -22,7 +23,7 @@ from mg_ckpt.hf import HFSafetensorsReader, iter_hf_safetensors, read_hf_index, 
 from mg_ckpt.inspect import CheckpointReport, inspect_checkpoint
 from mg_ckpt.load import load_checkpoint
 from mg_ckpt.metadata import checkpoint_dir, latest_iteration, list_checkpoints
-from mg_ckpt.save import SaveHandle, finalize, release_staging_buffers, save_checkpoint
+from mg_ckpt.save import SaveHandle, finalize, release_staging_buffers, save_checkpoint, wait_for_snapshot
 from mg_ckpt.sharded import ShardedTensor
 from mg_ckpt.stream import CheckpointReader, StreamingCheckpointWriter
 
@@ -44,5 +45,6 @@ __all__ = [
     "read_hf_index",
     "release_staging_buffers",
     "save_checkpoint",
+    "wait_for_snapshot",
     "write_hf_safetensors",
 ]

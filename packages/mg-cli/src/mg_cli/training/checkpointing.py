@@ -153,8 +153,10 @@ def save(save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer
     extra = dict(extra)
     extra["optimizer"] = {k: v for k, v in opt_state.items() if k != "chunks"}
     layout = {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "world_size": grid.world_size}
+    # An async save copies the state while the next step's forward and backward run (they only
+    # read it); the loop calls wait_for_snapshot() before the optimizer step mutates it.
     return save_checkpoint(save_dir, iteration, state, extra=extra, layout=layout, async_save=async_save,
-                           keep_last=keep_last)
+                           background_snapshot=async_save, keep_last=keep_last)
 
 
 def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid, *, load_optimizer: bool = True

@@ -148,6 +148,7 @@ def _resolve_load(config: RunConfig, resume: bool) -> str | None:
 
 
 def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None) -> dict[str, Any]:
+    from mg_ckpt import wait_for_snapshot
     from mg_cli.training import checkpointing
     from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
@@ -273,6 +274,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
             optimizer.zero_grad()
             losses = forward_backward(forward_step, train_iter, model, num_micro, grid, tensor_shape=tensor_shape,
                                       dtype=dtype, scale_loss=optimizer.scale_loss if fp16 else None)
+            wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
             applied, grad_norm = optimizer.step()
             loss = float(average_losses(losses, grid))
             parts = {k: float(average_losses(losses, grid, key=k)) for k in extra_losses}
