@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mg_ckpt._snapshot as snapshot_mod
 import mg_ckpt.save as save_mod
 from mg_ckpt import CheckpointError, latest_iteration, list_checkpoints, load_checkpoint, save_checkpoint
 from mg_ckpt.save import wait_for_snapshot
@@ -34,7 +35,7 @@ def _load(path: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(save_mod, "_COPY_CHUNK", 1000)  # many chunks, so waiter and thread interleave
+    monkeypatch.setattr(snapshot_mod, "_COPY_CHUNK", 1000)  # many chunks, so waiter and thread interleave
 
 
 def _hold_at(step_name: str) -> tuple[threading.Event, threading.Event]:
