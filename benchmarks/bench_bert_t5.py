@@ -8,16 +8,19 @@ backward + optimizer step, the same optimizer class and settings on both sides.
 
 The BERT batch is an MLM pretraining batch: the last rows are padded (``attention_mask``, passed
 to both models) and 15% of the real tokens carry labels. The row "mg, all-token head" is an
-ablation: mg computing logits for every token and ``F.cross_entropy`` on them, as Hugging Face
-does, instead of its labelled-positions-only loss path.
+ablation: mg returning logits for every token and ``F.cross_entropy`` on them, as Hugging Face
+does, instead of its labelled-positions-only loss path (``lm_labels``). Both mg rows complete the
+tied word-embedding gradient in place (one ``[V, h]`` tensor per step instead of three).
 
-Fairness on a shared machine: the same thread count for all; every implementation warms up
-first; then the implementations run one step each in turn, rotating which goes first, so load
-changes hit all alike; ratios are taken of the best (minimum) step time, which load can only
-inflate, and the median is printed alongside.
+Fairness on a shared machine: the same thread count for all (1 by default: on a small machine
+loaded by other jobs, a second OpenMP thread that gets descheduled stalls every parallel op, which
+makes 2-thread timings swing by 2x between runs); every implementation warms up first; then the
+implementations run one step each in turn, rotating which goes first, so load changes hit all
+alike; ratios are taken of the best (minimum) step time, which load can only inflate, and the
+median is printed alongside.
 
-    .venv/bin/python benchmarks/bench_bert_t5.py [--steps 5] [--layers 2] [--batch 4] [--seq 64]
-        [--optimizer adamw-fused|adamw] [--threads N] [--only bert|t5]
+    .venv/bin/python benchmarks/bench_bert_t5.py [--steps 7] [--layers 2] [--batch 4] [--seq 64]
+        [--optimizer adamw-fused|adamw] [--threads 1] [--only bert|t5]
 """
 
 from __future__ import annotations
@@ -141,17 +144,17 @@ def bench(name: str, impls: list[Impl], tokens: int, steps: int, warmup: int, op
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--optimizer", choices=("adamw-fused", "adamw"), default="adamw-fused",
                         help="torch.optim.AdamW with fused=True (one kernel per step) or the default loop")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--only", choices=("bert", "t5"), default=None)
     args = parser.parse_args()
-    if args.threads is not None:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()} fp32 layers={args.layers} batch={args.batch} seq={args.seq} "
