@@ -282,7 +282,8 @@ class BertModel(nn.Module):
             token_type_ids: segment ids [b, s]; None means all 0.
             attention_mask: [b, s], 1 for real tokens and 0 for padding (needed on every stage); None = no padding.
             lm_labels: MLM targets [b, s] (-100 = not masked). When given, the MLM output is the per-token
-                loss [b, s] (fp32, 0 at ignored positions) instead of logits.
+                loss [b, s] (fp32, 0 at ignored positions) instead of logits; only the labelled positions are
+                projected onto the vocabulary.
             gather_logits: return full MLM logits [b, s, vocab_size] instead of this rank's shard
                 [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
 
