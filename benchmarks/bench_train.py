@@ -28,8 +28,11 @@ What it does, all on CPU in one run so that every figure has a reference measure
 3. Validation loss after the same number of training tokens, at every ``--eval-interval``: both
    models' checkpoints are evaluated here on identical windows (all non-overlapping ``--seq``-token
    windows of ``val.bin``), so the comparison is paired; the standard error of the mean
-   difference is computed from its spread over the validation batches. Each side's own evaluation
-   (nanoGPT's random windows, mg's first validation batches) is printed beside it.
+   difference is computed from its spread over the validation batches, and across seeds from the
+   per-seed differences. Each side's own evaluation (nanoGPT's random windows, mg's first
+   validation batches) is printed beside it. Before the runs, ``same_start_trajectory`` trains
+   both from the same initial weights on the same batches in one process (``--same-start-steps``),
+   which separates implementation differences from random ones.
 4. Data parallelism: ``mg train --nproc-per-node 2 --set train.threads=1`` against one process with
    ``train.threads=2`` and one with ``train.threads=1``, the same global batch (see ``bench_dp``).
 

@@ -44,7 +44,7 @@ def global_grad_norm(
     device = grads[0].device if grads else grid.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     kept = [g if g.dtype == torch.float32 else g.float() for g, c in zip(grads, counted) if c and g.numel()]
-    for dev_grads in _by_device(kept).values():
+    for dev_grads in group_by_device(kept).values():
         # One multi-tensor norm per device; squaring the per-tensor norms back is exact to ~1 ulp.
         total += torch.stack(torch._foreach_norm(dev_grads)).square().sum().to(device)
     if grid.world_size > 1:
@@ -59,11 +59,11 @@ def clip_grads(grads: list[torch.Tensor], total_norm: float, max_norm: float) ->
     """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
-        for dev_grads in _by_device(grads).values():
+        for dev_grads in group_by_device(grads).values():
             torch._foreach_mul_(dev_grads, coef)
 
 
-def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def group_by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """``tensors`` grouped by (device, dtype), order kept: multi-tensor ops need one of each per call."""
     out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:

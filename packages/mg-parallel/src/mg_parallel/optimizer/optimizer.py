@@ -24,7 +24,7 @@ from torch import nn
 from mg_parallel.distributed.ddp import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer.adamw import adamw_update
-from mg_parallel.optimizer.clip import _by_device, clip_grads, counts_in_norm, global_grad_norm
+from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm, group_by_device
 from mg_parallel.optimizer.config import OptimizerConfig
 from mg_parallel.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 
@@ -176,7 +176,7 @@ class MegatronStyleOptimizer:
         grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad for p in self.pieces]
         if self.scaler is not None:
             found = torch.zeros((), dtype=torch.float32, device=self.grid.device)
-            for dev_grads in _by_device(grads).values():
+            for dev_grads in group_by_device(grads).values():
                 # Unscales and flags inf/nan in one pass; the flag stays on the device (one host sync).
                 flag = torch.zeros((), dtype=torch.float32, device=dev_grads[0].device)
                 inv = torch.full((), 1.0 / self.scaler.scale, dtype=torch.float32, device=flag.device)
