@@ -11,7 +11,7 @@ sampling, so every tp rank draws the same tokens (same seed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -148,34 +148,47 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: S
 
     was_training = model.training
     model.eval()
+    cache = InferenceCache(batch, total)
+
+    def next_logits(step_input: torch.Tensor, t: int) -> torch.Tensor:
+        attn = mask[:, : prompt_len + t] if padded else None
+        return model(step_input, attention_mask=attn, gather_logits=True, inference_cache=cache,
+                     last_token_only=True)[:, -1]
+
+    try:
+        return _decode(next_logits, ids, batch, config, device)
+    finally:
+        model.train(was_training)
+
+
+def _decode(next_logits: Callable[[torch.Tensor, int], torch.Tensor], first_input: torch.Tensor, batch: int,
+            config: SamplingConfig, device: torch.device) -> GenerationOutput:
+    """The decoding loop shared by decoder-only and encoder-decoder generation.
+
+    ``next_logits(step_input, t)`` returns the ``[batch, vocab]`` logits of step ``t`` given the
+    tokens fed at that step (``first_input`` at step 0, then the token sampled at ``t - 1``).
+    """
     generator = None
     if config.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(config.seed)
-    cache = InferenceCache(batch, total)
     stop = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.long, device=device)
     out_tokens = torch.empty(batch, config.max_new_tokens, dtype=torch.long, device=device)
     out_logprobs = torch.empty(batch, config.max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     done_at = torch.full((batch,), config.max_new_tokens, dtype=torch.long, device=device)
-    step_input = ids
-    try:
-        for t in range(config.max_new_tokens):
-            attn = mask[:, : prompt_len + t] if padded else None
-            logits = model(step_input, attention_mask=attn, gather_logits=True, inference_cache=cache,
-                           last_token_only=True)[:, -1]
-            logits = logits.float()
-            token = sample_next(logits, config, generator)
-            out_tokens[:, t] = token
-            out_logprobs[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-            if stop.numel():
-                newly = torch.isin(token, stop) & ~finished
-                done_at = torch.where(newly, torch.full_like(done_at, t + 1), done_at)
-                finished |= newly
-                if bool(finished.all()):
-                    break
-            step_input = token[:, None]
-    finally:
-        model.train(was_training)
+    step_input = first_input
+    for t in range(config.max_new_tokens):
+        logits = next_logits(step_input, t).float()
+        token = sample_next(logits, config, generator)
+        out_tokens[:, t] = token
+        out_logprobs[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        if stop.numel():
+            newly = torch.isin(token, stop) & ~finished
+            done_at = torch.where(newly, torch.full_like(done_at, t + 1), done_at)
+            finished |= newly
+            if bool(finished.all()):
+                break
+        step_input = token[:, None]
     n = t + 1
     tokens, logprobs = out_tokens[:, :n].tolist(), out_logprobs[:, :n].tolist()
     ends = done_at.clamp(max=n).tolist()
@@ -215,34 +228,14 @@ def generate_seq2seq(model: torch.nn.Module, sources: Sequence[Sequence[int]], c
 
     was_training = model.training
     model.eval()
-    generator = None
-    if config.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(config.seed)
-    stop = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.long, device=device)
-    out_tokens = torch.empty(batch, config.max_new_tokens, dtype=torch.long, device=device)
-    out_logprobs = torch.empty(batch, config.max_new_tokens, dtype=torch.float32, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    done_at = torch.full((batch,), config.max_new_tokens, dtype=torch.long, device=device)
-    step_input = torch.full((batch, 1), decoder_start_token_id, dtype=torch.long, device=device)
     try:
         memory = model.encode(ids, enc_mask)  # [s, b, h], computed once
         cache = T5DecoderCache()
-        for t in range(config.max_new_tokens):
-            logits = model.decode(step_input, memory, enc_mask, gather_logits=True, cache=cache)[:, -1].float()
-            token = sample_next(logits, config, generator)
-            out_tokens[:, t] = token
-            out_logprobs[:, t] = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-            if stop.numel():
-                newly = torch.isin(token, stop) & ~finished
-                done_at = torch.where(newly, torch.full_like(done_at, t + 1), done_at)
-                finished |= newly
-                if bool(finished.all()):
-                    break
-            step_input = token[:, None]
+
+        def next_logits(step_input: torch.Tensor, t: int) -> torch.Tensor:
+            return model.decode(step_input, memory, enc_mask, gather_logits=True, cache=cache)[:, -1]
+
+        start = torch.full((batch, 1), decoder_start_token_id, dtype=torch.long, device=device)
+        return _decode(next_logits, start, batch, config, device)
     finally:
         model.train(was_training)
-    n = t + 1
-    tokens, logprobs = out_tokens[:, :n].tolist(), out_logprobs[:, :n].tolist()
-    ends = done_at.clamp(max=n).tolist()
-    return GenerationOutput(tokens=[row[:e] for row, e in zip(tokens, ends)],
-                            logprobs=[row[:e] for row, e in zip(logprobs, ends)])
