@@ -82,21 +82,6 @@ def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
     return config, state, extra
 
 
-def padding_id(tok: Any) -> int | None:
-    """A tokenizer's padding id, found as ``mg train`` finds it (its pad id, else a ``<pad>`` token).
-
-    mg train starts T5 decoder inputs with it (as Hugging Face's T5 does with its pad id 0).
-    """
-    if tok.pad is not None:
-        return int(tok.pad)
-    sp, hf = getattr(tok, "sp", None), getattr(tok, "tok", None)
-    if sp is not None:
-        i = sp.piece_to_id("<pad>")
-        return int(i) if i != sp.unk_id() and sp.id_to_piece(i) == "<pad>" else None
-    i = hf.token_to_id("<pad>") if hf is not None else None
-    return None if i is None else int(i)
-
-
 def _loader(path: Path) -> tuple[Any, dict[str, torch.Tensor]] | None:
     if not is_mg_checkpoint(path):
         return None

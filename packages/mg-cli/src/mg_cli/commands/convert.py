@@ -153,14 +153,14 @@ def _token_ids(extra: dict[str, Any], model_type: str) -> dict[str, Any]:
         return dict(extra["hf_token_ids"])
     if model_type != "t5" or not extra.get("tokenizer_model"):
         return {}
-    from mg_cli.checkpoints import padding_id
+    from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
 
     try:
         tok = build_tokenizer(extra["tokenizer_model"])
     except (OSError, ValueError):
         return {}  # the recorded tokenizer moved: keep the adapter's T5 defaults
-    pad = padding_id(tok)
+    pad = pad_id(tok)
     out: dict[str, Any] = {} if pad is None else {"pad_token_id": pad, "decoder_start_token_id": pad}
     if tok.eod is not None:
         out["eos_token_id"] = int(tok.eod)

@@ -70,7 +70,8 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     """
     import torch
 
-    from mg_cli.checkpoints import padding_id, register
+    from mg_cli.checkpoints import register
+    from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
@@ -92,7 +93,7 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
         seq2seq = isinstance(model, T5Model)
         if seq2seq:
             # mg train starts T5 targets with the padding token (Hugging Face's convention too, where it is 0).
-            start_id = start_id if start_id is not None else padding_id(tok)
+            start_id = start_id if start_id is not None else pad_id(tok)
             if start_id is None:
                 raise click.ClickException(f"{checkpoint} records no decoder start token and the tokenizer has no "
                                            f"padding token; pass the tokenizer the model was trained with")

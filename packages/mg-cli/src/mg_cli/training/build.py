@@ -7,10 +7,9 @@ from typing import Any
 import torch
 
 from mg_cli.config import RunConfig
-from mg_cli.training.families import bert_model_config, check_t5_layout, t5_model_config
+from mg_cli.training.families import bert_model_config, check_t5_layout, gpt_model_config, t5_model_config
 from mg_cli.training.setup import TrainingError
-from mg_models import GPTConfig, GPTModel
-from mg_models.presets import PRESETS
+from mg_models import GPTModel
 from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
@@ -19,23 +18,6 @@ from mg_parallel.recompute import RecomputeConfig
 from mg_parallel.tensor_parallel import RNGTracker
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# RunConfig.model key -> GPTConfig field
-_MODEL_KEYS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups",
-    "ffn_hidden_size": "ffn_hidden_size",
-    "kv_channels": "kv_channels",
-    "position_embedding": "position_embedding",
-    "normalization": "normalization",
-    "activation": "activation",
-    "tie_embeddings": "tie_word_embeddings",
-    "bias": "add_bias_linear",
-    "rotary_base": "rotary_base",
-    "init_std": "init_method_std",
-}
 
 
 def model_config(config: RunConfig, vocab_size: int) -> Any:
@@ -50,31 +32,7 @@ def model_config(config: RunConfig, vocab_size: int) -> Any:
         return bert_model_config(config, vocab_size)
     if m.type == "t5":
         return t5_model_config(config, vocab_size)
-    for key in ("num_decoder_layers", "decoder_seq_length"):
-        if getattr(m, key) is not None:
-            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for gpt")
-    if m.activation in ("relu", "gated-gelu"):
-        raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
-    fields: dict[str, Any] = {}
-    if m.preset is not None:
-        if m.preset not in PRESETS:
-            raise TrainingError(f"model.preset={m.preset!r} is unknown; choose one of {sorted(PRESETS)}")
-        fields.update(PRESETS[m.preset]())
-    for key, target in _MODEL_KEYS.items():
-        value = getattr(m, key)
-        if value is not None:
-            fields[target] = value
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in fields]
-    if missing:
-        raise TrainingError(f"model.{missing[0]} is not set and model.preset is not given; set a preset or the shape")
-    fields["vocab_size"] = vocab_size
-    fields["attention_dropout"] = m.dropout
-    fields["hidden_dropout"] = m.dropout
-    fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
-    try:
-        return GPTConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise TrainingError(str(e)) from None
+    return gpt_model_config(config, vocab_size)
 
 
 def check_model_layout(cfg: Any, config: RunConfig) -> None:

@@ -25,13 +25,15 @@ from mg_cli.training.setup import TrainingError
 
 FAMILIES = ("gpt", "bert", "t5")
 
-# RunConfig.model key -> BertConfig field (BertConfig is a GPTConfig; GPT-only keys are rejected by it).
-_BERT_KEYS = {
+# RunConfig.model key -> GPTConfig field; BERT takes the same (BertConfig is a GPTConfig) but rotary_base.
+_GPT_KEYS = {
     "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
     "num_query_groups": "num_query_groups", "ffn_hidden_size": "ffn_hidden_size", "kv_channels": "kv_channels",
     "position_embedding": "position_embedding", "normalization": "normalization", "activation": "activation",
     "tie_embeddings": "tie_word_embeddings", "bias": "add_bias_linear", "init_std": "init_method_std",
+    "rotary_base": "rotary_base",
 }
+_BERT_KEYS = {k: v for k, v in _GPT_KEYS.items() if k != "rotary_base"}
 # RunConfig.model key -> T5Config field
 _T5_KEYS = {
     "num_layers": "num_layers", "num_decoder_layers": "num_decoder_layers", "hidden_size": "hidden_size",
@@ -39,7 +41,7 @@ _T5_KEYS = {
     "activation": "activation", "tie_embeddings": "tie_word_embeddings",
 }
 _T5_UNUSED = ("num_query_groups", "position_embedding", "normalization", "bias", "rotary_base", "init_std")
-_GPT_ONLY = ("num_decoder_layers", "decoder_seq_length")
+_T5_ONLY = ("num_decoder_layers", "decoder_seq_length")
 
 BERT_SYMBOLS = "<pad>,<cls>,<sep>,<mask>"
 
@@ -56,6 +58,50 @@ def _explicit(config: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
     return {target: getattr(m, key) for key, target in keys.items() if getattr(m, key) is not None}
 
 
+def gpt_model_config(config: RunConfig, vocab_size: int) -> Any:
+    """The GPT architecture: ``model.preset`` (a GPT preset), explicit keys, the tokenizer's vocabulary.
+
+    Raises:
+        TrainingError: unknown preset, missing shape without a preset, a key GPT cannot use.
+    """
+    from mg_models import GPTConfig
+    from mg_models.presets import PRESETS
+
+    m = config.model
+    _reject_t5_only(m, "gpt")
+    if m.activation in ("relu", "gated-gelu"):
+        raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
+    fields: dict[str, Any] = {}
+    if m.preset is not None:
+        if m.preset not in PRESETS:
+            raise TrainingError(f"model.preset={m.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        fields.update(PRESETS[m.preset]())
+    fields.update(_explicit(config, _GPT_KEYS))
+    _require_shape(fields)
+    return _construct(GPTConfig, _with_run_fields(fields, config, vocab_size))
+
+
+def _reject_t5_only(m: Any, family: str) -> None:
+    for key in _T5_ONLY:
+        if getattr(m, key) is not None:
+            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for {family}")
+
+
+def _with_run_fields(fields: dict[str, Any], config: RunConfig, vocab_size: int) -> dict[str, Any]:
+    """A GPTConfig/BertConfig's fields that come from the run: vocabulary, dropout, positions for seq_length."""
+    m = config.model
+    fields.update(vocab_size=vocab_size, attention_dropout=m.dropout, hidden_dropout=m.dropout)
+    fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
+    return fields
+
+
+def _construct(cls: type, fields: dict[str, Any]) -> Any:
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+
+
 def bert_model_config(config: RunConfig, vocab_size: int) -> Any:
     """The BERT architecture: ``model.preset`` (a BERT preset), explicit keys, the tokenizer's vocabulary.
 
@@ -65,21 +111,14 @@ def bert_model_config(config: RunConfig, vocab_size: int) -> Any:
     from mg_models.bert import BERT_PRESETS, BertConfig
 
     m = config.model
-    for key in _GPT_ONLY:
-        if getattr(m, key) is not None:
-            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for bert")
+    _reject_t5_only(m, "bert")
     if m.rotary_base is not None:
         raise TrainingError("model.rotary_base is not used by BERT (learned positions); leave it unset")
     fields = _preset_fields("bert", m.preset, BERT_PRESETS) if m.preset is not None else {}
     fields.update(_explicit(config, _BERT_KEYS))
     _require_shape(fields)
-    fields.update(vocab_size=vocab_size, attention_dropout=m.dropout, hidden_dropout=m.dropout,
-                  add_binary_head=config.data.sentence_task != "none")
-    fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
-    try:
-        return BertConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise TrainingError(str(e)) from None
+    fields["add_binary_head"] = config.data.sentence_task != "none"
+    return _construct(BertConfig, _with_run_fields(fields, config, vocab_size))
 
 
 def t5_model_config(config: RunConfig, vocab_size: int) -> Any:
@@ -102,10 +141,7 @@ def t5_model_config(config: RunConfig, vocab_size: int) -> Any:
         fields["kv_channels"] = fields["hidden_size"] // fields["num_attention_heads"]
     fields.setdefault("ffn_hidden_size", 4 * fields["hidden_size"])
     fields.update(vocab_size=vocab_size, dropout=m.dropout)
-    try:
-        return T5Config(**fields)
-    except (TypeError, ValueError) as e:
-        raise TrainingError(str(e)) from None
+    return _construct(T5Config, fields)
 
 
 def _require_shape(fields: dict[str, Any]) -> None:
@@ -143,6 +179,15 @@ def _piece_id(tokenizer: Any, pieces: tuple[str, ...]) -> int | None:
             if i is not None:
                 return int(i)
     return None
+
+
+def pad_id(tokenizer: Any) -> int | None:
+    """The tokenizer's padding id: its own pad id, else a ``<pad>``/``[PAD]`` token (None without one).
+
+    T5 decoder inputs start with it, so ``mg generate`` and ``mg convert`` use it as the decoder
+    start id of checkpoints ``mg train`` wrote (Hugging Face's T5 does the same with its pad id 0).
+    """
+    return tokenizer.pad if tokenizer.pad is not None else _piece_id(tokenizer, ("<pad>", "[PAD]"))
 
 
 @dataclass
@@ -189,7 +234,7 @@ def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
     family, path = config.model.type, str(config.data.tokenizer_model)
     if family == "gpt":
         return SpecialTokens(eos=tokenizer.eod)
-    pad = tokenizer.pad if tokenizer.pad is not None else _piece_id(tokenizer, ("<pad>", "[PAD]"))
+    pad = pad_id(tokenizer)
     if family == "bert":
         fix = f"--user-defined-symbols '{BERT_SYMBOLS}'"
         ids = {"padding token <pad>": pad,
