@@ -65,11 +65,11 @@ def test_bert_matches_hugging_face_and_round_trips(tmp_path, masked_lm, types, p
         torch.testing.assert_close(loaded(ids, token_type_ids=token_types, attention_mask=mask)[0], logits,
                                    atol=0, rtol=0)
     assert logits.shape == (3, 12, VOCAB)
-    assert (logits - ref_logits).abs().max() <= 1e-4
+    assert (logits - ref_logits).abs().max() <= 1e-5
     if masked_lm:
         assert binary is None
     else:
-        assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-4
+        assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-5
     # Export gives back exactly the tensors (and names) Hugging Face saved, minus tied aliases.
     write_hf_bert(tmp_path / "out", model.state_dict(), model.config)
     saved, exported = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(
@@ -97,8 +97,8 @@ def test_bert_without_token_types(tmp_path):
     with torch.no_grad():
         logits, binary = model(ids)
         ref = hf(ids)
-    assert (logits - ref.prediction_logits).abs().max() <= 1e-4
-    assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-4
+    assert (logits - ref.prediction_logits).abs().max() <= 1e-5
+    assert (binary - ref.seq_relationship_logits).abs().max() <= 1e-5
     no_types = BertConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, type_vocab_size=0)
     with pytest.raises(ValueError, match="type_vocab_size=0"):
         BertModel(no_types)(ids, torch.zeros_like(ids))
@@ -208,7 +208,7 @@ def test_t5_matches_hugging_face_and_round_trips(tmp_path, ff, tie):
         ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
         logits, memory = model(ids, decoder_input_ids=dec, attention_mask=mask)
     assert logits.shape == (2, 15, VOCAB) and memory.shape == (20, 2, 32)
-    assert (logits - ref).abs().max() <= 1e-4
+    assert (logits - ref).abs().max() <= 1e-5
     loaded = load_pretrained(tmp_path / "hf")  # dispatches on config.json's model_type
     assert isinstance(loaded, T5Model)
     with torch.no_grad():
@@ -272,7 +272,7 @@ def test_t5_untied_head_state_dict(tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
         logits, _ = model(ids, dec, mask, gather_logits=True)
-    assert (logits - ref).abs().max() <= 1e-4
+    assert (logits - ref).abs().max() <= 1e-5
     back = state_to_hf(model.state_dict(), config)
     assert torch.equal(back["lm_head.weight"], hf.lm_head.weight)
 

@@ -28,7 +28,15 @@ from torch import nn
 from mg_models.config import GPTConfig, check_parallel
 from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
 from mg_models.init import normal_init
-from mg_models.layers import MLP, LayerNorm, SelfAttention, TiedGradient, tied_embedding, tied_projection
+from mg_models.layers import (
+    MLP,
+    LayerNorm,
+    SelfAttention,
+    TiedGradient,
+    gelu_tanh,
+    tied_embedding,
+    tied_projection,
+)
 from mg_models.spec import BuildContext, ModuleSpec
 from mg_models.transformer import TransformerBlock, gpt_layer_spec
 from mg_parallel.grid import ProcessGrid
@@ -191,7 +199,7 @@ class BertLMHead(nn.Module):
     def __init__(self, ctx: BuildContext) -> None:
         super().__init__()
         c = ctx.config
-        self.activation = "tanh" if c.activation == "gelu_tanh" else "none"
+        self.activation = gelu_tanh if c.activation == "gelu_tanh" else F.gelu
         self.dense = _replicated_linear(ctx, "lm_head.dense", c.hidden_size, c.hidden_size)
         self.layernorm = LayerNorm(ctx, "lm_head.layernorm")
         # Under sequence parallelism both act on this rank's sequence chunk: partial grads.
@@ -204,7 +212,7 @@ class BertLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] (the [s(/tp), b, h] stream, or selected rows [n, h]) -> transformed, same shape."""
-        return self.layernorm(F.gelu(self.dense(x), approximate=self.activation))
+        return self.layernorm(self.activation(self.dense(x)))
 
 
 class BertModel(nn.Module):

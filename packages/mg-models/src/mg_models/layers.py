@@ -11,6 +11,7 @@ weight is the same at every tp.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "SelfAttentionSubmodules",
     "TiedGradient",
     "apply_rotary",
+    "gelu_tanh",
     "norm_class",
     "tied_embedding",
     "tied_projection",
@@ -91,6 +93,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class _GeluTanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's tanh approximation, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, elementwise, same shape and dtype.
+
+    In fp32 the formula is evaluated op by op in the order of the GPT-2 reference code, which
+    Hugging Face's ``gelu_new`` (GPT-2, BERT, T5 v1.1 "gated-gelu") follows, so converted models give
+    bit-identical activations; torch's fused ``F.gelu(x, approximate="tanh")`` rounds differently,
+    which a T5 v1.1 amplifies to ~1e-5 on its logits. Only the input is kept for backward, which is
+    torch's fused derivative. Other dtypes use the fused kernel: it computes in fp32 and rounds once.
+    """
+    if x.dtype != torch.float32:
+        return F.gelu(x, approximate="tanh")
+    return _GeluTanh.apply(x)
+
+
 @dataclass
 class MLPSubmodules:
     """Linear layer classes of the MLP."""
@@ -126,8 +157,8 @@ class MLP(nn.Module):
         if self.activation == "swiglu":
             h = F.silu(self.linear_gate(x)) * self.linear_fc1(x)
         else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            h = F.gelu(self.linear_fc1(x), approximate=approximate)
+            h = self.linear_fc1(x)
+            h = gelu_tanh(h) if self.activation == "gelu_tanh" else F.gelu(h)
         return self.linear_fc2(h)
 
 

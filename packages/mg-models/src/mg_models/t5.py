@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.init import normal_init
-from mg_models.layers import RMSNorm, TiedGradient, tied_embedding, tied_projection
+from mg_models.layers import RMSNorm, TiedGradient, gelu_tanh, tied_embedding, tied_projection
 from mg_models.spec import BuildContext
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
@@ -257,7 +257,7 @@ class T5MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]."""
         if self.gated:
-            h = F.gelu(self.linear_gate(x), approximate="tanh") * self.linear_fc1(x)
+            h = gelu_tanh(self.linear_gate(x)) * self.linear_fc1(x)
         else:
             h = F.relu(self.linear_fc1(x))
         if self.training and self.dropout > 0:
