@@ -141,14 +141,16 @@ def vocab_parallel_cross_entropy(
     if world == 1:
         if vocab_size is not None and vocab_size < padded:
             logits = logits[..., :vocab_size]
+        # fp32 from the upcast logits, as the sharded path: F.cross_entropy on bf16/fp16 logits would round
+        # its log-softmax to that dtype (an error of ~1e-2 on the loss).
         loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
+            logits.reshape(-1, logits.shape[-1]).float(),
             target.reshape(-1),
             ignore_index=ignore_index,
             label_smoothing=label_smoothing,
             reduction="none",
         )
-        return loss.view(target.shape).float()
+        return loss.view(target.shape)
     return _VocabParallelCrossEntropy.apply(
         logits, target, tp_group, float(label_smoothing), ignore_index, padded if vocab_size is None else vocab_size
     )
