@@ -48,30 +48,6 @@ def _all_agree_max(value: float, grid: Any) -> float:
     return t.item()
 
 
-def measure_matmul_peak(dtype: torch.dtype, device: torch.device, trials: int = 5, seconds: float = 0.1) -> float:
-    """Best achieved FLOP/s of square matmuls on this process's device and threads (the MFU denominator).
-
-    The best of several short trials, so a moment of contention at start-up does not lower it.
-    """
-    n = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(2):
-        a @ b
-    best = 0.0
-    for _ in range(trials):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            reps += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0))
-    return best
-
-
 def _peak_mem(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -218,7 +194,12 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         masked = max(1, round(ds.masked_lm_prob * ds.max_num_tokens)) / seq
     flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full", decoder_seq_length=decoder_len,
                                 masked_lm_fraction=masked)
-    peak = measure_matmul_peak(dtype, grid.device) * grid.world_size
+    from mg_cli.training.throughput import peak_flops, slower_than_fp32_note
+
+    peak = peak_flops(dtype, grid.device)  # per device: published for known GPUs, else measured here
+    slower = slower_than_fp32_note(t.precision, dtype, grid.device)
+    if slower:
+        logger.message(slower)
     stop = _StopFlag()
     stop.install()
     started = time.monotonic()
@@ -292,7 +273,9 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
                 logger.log({
                     "iteration": iteration, "loss": loss, **parts, "lr": lr,
                     "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens_per_s": tokens_per_s, "mfu": flops_tok * tokens_per_s / peak,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": peak.utilization(flops_tok * tokens_per_s / grid.world_size),
+                    "tflops_per_device": flops_tok * tokens_per_s / grid.world_size / 1e12,
                     "step_time_s": dt, "peak_mem_bytes": _peak_mem(grid.device), "skipped": not applied,
                     "loss_scale": float(optimizer.loss_scale) if fp16 else None,
                 })

@@ -1,0 +1,247 @@
+"""Peak matmul throughput per device: the denominator of ``mfu`` in ``mg train``'s metrics.
+
+A known GPU part gets its published dense (no 2:4 sparsity) peak for the compute dtype. Anything
+else (CPUs, parts not in the table, fp32 on any GPU) gets a measured peak: the best FLOP/s
+achieved by matmuls in the layouts a training step uses (``x @ W^T`` forward, ``g @ W`` and
+``g^T @ x`` backward), over growing square sizes, each size timed as the fastest of several calls.
+
+A bf16/fp16 step does not run every matmul in its compute dtype: on a CPU, PyTorch's math
+attention, taken when the attention bias needs a gradient (T5's learned relative-position bias),
+runs its matmuls in fp32. So the measured peak of a reduced precision is the better of that
+dtype's and fp32's: the step's average FLOP/s cannot exceed the rate of the fastest dtype it runs
+matmuls in, and ``mfu`` cannot legitimately exceed 1. (The published bf16/fp16 peaks of the parts
+below exceed their fp32/TF32 peaks, so the same holds for them.) A measured peak is also only as
+good as the moment it was measured in; :meth:`PeakFlops.utilization` raises it to any step that
+beats it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PUBLISHED_TFLOPS", "PeakFlops", "device_name", "matmul_speed_vs_fp32", "measure_layout_rates",
+    "measure_matmul_peak", "peak_flops", "published_part", "published_peak", "slower_than_fp32_note",
+]
+
+# Dense tensor-core TFLOP/s per GPU. Sources: NVIDIA's A100, H100, H200 and L40S datasheets and its HGX B200
+# specifications. Where a datasheet prints only the figure "with sparsity" (H100, H200, B200), the dense one is
+# half of it. fp16 equals bf16 on every part.
+PUBLISHED_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
+    "H200 SXM": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0},  # SXM4 and PCIe, 40 and 80 GB: the same tensor-core peak
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},  # HGX B200 (1000 W); GB200 differs
+}
+"""Published dense peak TFLOP/s per device, by part and precision."""
+
+# (part, pattern the upper-cased device name must match, pattern it must not match). Word boundaries keep
+# "GB200" from reading as "B200", "A1000" as "A100" and "L40" as "L40S". Parts whose numbers are not in the
+# table (H100 NVL, H200 NVL, GH200, GB200, A800, ...) match nothing and are measured instead.
+_PARTS: tuple[tuple[str, str, str | None], ...] = (
+    ("H100 PCIe", r"\bH100\b.*\bPCIE\b", None),
+    ("H100 SXM", r"\bH100\b", r"\b(PCIE|NVL)\b"),  # the SXM5 part reports itself as "NVIDIA H100 80GB HBM3"
+    ("H200 SXM", r"\bH200\b", r"\bNVL\b"),
+    ("A100", r"\bA100\b", None),
+    ("L40S", r"\bL40S\b", None),
+    ("B200", r"\bB200\b", None),
+)
+
+_PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                    torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}
+
+SLOWER_THAN_FP32 = 0.9
+"""A precision whose matmuls run below this fraction of fp32's is reported as slower (nearer 1 may be timing noise)."""
+
+
+@dataclass
+class PeakFlops:
+    """The MFU denominator of one device."""
+
+    flops_per_s: float
+    """Peak FLOP/s of one device (one process's device and threads)."""
+    source: str
+    """Where it comes from: ``"published <part> <dtype>"`` or ``"measured <dtype> on <device>"``."""
+
+    def utilization(self, achieved_flops_per_s: float) -> float:
+        """``achieved / peak``: the MFU of a step that ran ``achieved_flops_per_s`` model FLOP/s on one device.
+
+        A measured peak is a lower estimate of the device's best matmul rate (a busy moment at start-up lowers
+        it), and a step's own model FLOP/s is another one: when the step is faster, the peak is raised to it
+        (that MFU reads 1.0). A published peak is never raised: MFU above 1 against it means over-counted FLOPs.
+        """
+        if self.source.startswith("measured") and achieved_flops_per_s > self.flops_per_s:
+            self.flops_per_s = achieved_flops_per_s
+        return achieved_flops_per_s / self.flops_per_s
+
+
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` for a CUDA device (e.g. ``"NVIDIA H100 80GB HBM3"``), else the device type."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def published_part(name: str) -> str | None:
+    """The part of :data:`PUBLISHED_TFLOPS` that GPU ``name`` is, or None when it is none of them for certain.
+
+    A MIG slice (``"... MIG 1g.10gb"``) is None too: it has only part of the device's SMs.
+    """
+    upper = name.upper()
+    if re.search(r"\bMIG\b", upper):
+        return None
+    for part, must, must_not in _PARTS:
+        if re.search(must, upper) and not (must_not and re.search(must_not, upper)):
+            return part
+    return None
+
+
+def published_peak(name: str, dtype: torch.dtype) -> PeakFlops | None:
+    """The published dense peak of GPU ``name`` in ``dtype``; None for unknown parts and dtypes without one
+    (fp32 always: its matmuls may run as TF32 or not, depending on settings)."""
+    part = published_part(name)
+    precision = _PRECISION_NAMES.get(dtype)
+    if part is None or precision not in PUBLISHED_TFLOPS[part]:
+        return None
+    return PeakFlops(PUBLISHED_TFLOPS[part][precision] * 1e12, f"published {part} {precision}")
+
+
+# A training step's matmul layouts: forward x @ W^T, input gradient g @ W, weight gradient g^T @ x.
+_LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "nt": lambda a, b: a @ b.t(),
+    "nn": lambda a, b: a @ b,
+    "tn": lambda a, b: a.t() @ b,
+}
+_MEASURED: dict[tuple[torch.dtype, str, int], dict[str, float]] = {}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fastest_call(n: int, dtype: torch.dtype, device: torch.device, layout: str, window_s: float) -> float:
+    """Seconds of the fastest of several ``n x n x n`` products: at least two, more while within ``window_s``
+    (the first call, which may pay one-time set-up, rarely is the fastest)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    fn = _LAYOUTS[layout]
+    best, spent, calls = math.inf, 0.0, 0
+    while calls < 2 or (spent < window_s and calls < 100):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(a, b)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return best
+
+
+def measure_layout_rates(dtype: torch.dtype, device: torch.device, *, max_call_s: float = 0.03,
+                         window_s: float = 0.005, cache: bool = True) -> dict[str, float]:
+    """Best achieved FLOP/s of ``dtype`` matmuls on ``device`` with this process's threads, per layout of
+    :data:`_LAYOUTS` (``"nt"``, ``"nn"``, ``"tn"``): on CPUs without native bf16/fp16 instructions they
+    differ by 10x and more.
+
+    Each layout is timed at square sizes doubling from 64 (CPU) or 1024 (CUDA): up to 256 (CUDA 4096) at
+    least, then on while the rate still improves (two sizes without a 2% gain end it) and the next size's
+    one call should take under ``max_call_s``. On a CPU one dtype takes ~0.1-0.4 s.
+
+    Args:
+        dtype: a floating dtype ``torch.matmul`` supports on ``device`` (fp32, bf16, fp16, ...).
+        device: where to measure.
+        max_call_s: the longest single call (n^3 work: 8x the previous size's) a size past the minimum may take.
+        window_s: time spent on repeated calls of one size and layout (at least two are timed).
+        cache: reuse this process's earlier measurement of the same dtype, device and thread count.
+
+    Raises:
+        RuntimeError: from torch when ``dtype`` has no matmul on ``device``.
+    """
+    key = (dtype, str(device), torch.get_num_threads())
+    if cache and key in _MEASURED:
+        return dict(_MEASURED[key])
+    start, least, largest = (1024, 4096, 8192) if device.type == "cuda" else (64, 256, 4096)
+    rates = {}
+    for layout in _LAYOUTS:
+        n, best, stale = start, 0.0, 0
+        while n <= largest:
+            call_s = _fastest_call(n, dtype, device, layout, window_s)
+            rate = 2 * n**3 / call_s
+            stale = 0 if rate > 1.02 * best else stale + 1
+            best = max(best, rate)
+            # Below `least` only a hopeless next call stops (a call slowed by waiting for busy cores
+            # costs far less than its 8x forecast); past it, a stalled rate or a long call does.
+            if 8 * call_s > (8 * max_call_s if n < least else max_call_s) or (n >= least and stale >= 2):
+                break
+            n *= 2
+        rates[layout] = best
+    _MEASURED[key] = rates
+    return dict(rates)
+
+
+def measure_matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
+    """Best achieved FLOP/s of ``dtype`` matmuls on ``device``: the fastest layout of
+    :func:`measure_layout_rates` (measured once per process, dtype, device and thread count).
+
+    Raises:
+        RuntimeError: from torch when ``dtype`` has no matmul on ``device``.
+    """
+    return max(measure_layout_rates(dtype, device).values())
+
+
+def _precision_name(dtype: torch.dtype) -> str:
+    return _PRECISION_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def peak_flops(dtype: torch.dtype, device: torch.device) -> PeakFlops:
+    """The peak FLOP/s per device that ``mfu`` divides by, for a step whose compute dtype is ``dtype``.
+
+    A CUDA part in :data:`PUBLISHED_TFLOPS` with a figure for ``dtype``: that figure. Otherwise the
+    measured :func:`measure_matmul_peak` of ``dtype``, or of fp32 where fp32 is faster (a reduced-precision
+    step may run some matmuls in fp32, see the module docstring).
+    """
+    if device.type == "cuda":
+        published = published_peak(device_name(device), dtype)
+        if published is not None:
+            return published
+    candidates = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
+    rates = {d: measure_matmul_peak(d, device) for d in candidates}
+    fastest = max(candidates, key=lambda d: rates[d])
+    return PeakFlops(rates[fastest], f"measured {_precision_name(fastest)} on {device_name(device)}")
+
+
+def matmul_speed_vs_fp32(dtype: torch.dtype, device: torch.device) -> float:
+    """How fast a training step's matmuls run in ``dtype`` relative to fp32 on ``device`` (1.0 for fp32).
+
+    A step spends equal FLOPs in each layout (per weight: ``x @ W^T`` forward, ``g @ W`` and ``g^T @ x``
+    backward), so each dtype's rate is the harmonic mean of its per-layout best rates
+    (:func:`measure_layout_rates`), and this is the ratio of the two.
+    """
+    if dtype == torch.float32:
+        return 1.0
+
+    def step_rate(rates: dict[str, float]) -> float:
+        return len(rates) / sum(1.0 / r for r in rates.values())
+
+    return step_rate(measure_layout_rates(dtype, device)) / step_rate(measure_layout_rates(torch.float32, device))
+
+
+def slower_than_fp32_note(precision: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """One line for the start of a run whose precision runs matmuls slower than fp32 here, else None.
+
+    E.g. ``"train.precision=bf16: bf16 matmuls run 0.062x fp32 on this cpu; fp32 would be faster"``
+    (bf16 on a CPU without native bf16 matmul instructions, e.g. AVX2 only).
+    """
+    ratio = matmul_speed_vs_fp32(dtype, device)
+    if ratio >= SLOWER_THAN_FP32:
+        return None
+    return (f"train.precision={precision}: {precision} matmuls run {ratio:.2g}x fp32 on this "
+            f"{device_name(device)}; fp32 would be faster")
