@@ -82,15 +82,18 @@ def read_mg_checkpoint(path: str | os.PathLike[str], *, with_state: bool = True
     return config, state, extra
 
 
-def _loader(path: Path) -> tuple[Any, dict[str, torch.Tensor]] | None:
+def checkpoint_loader(path: Path) -> tuple[Any, dict[str, torch.Tensor]] | None:
+    """``(model config, unsharded model state)`` of the mg checkpoint at ``path``, or None if it is not one.
+
+    This is the ``mg`` entry point of the ``mg_models.checkpoint_loaders`` group (see mg-cli's
+    pyproject.toml), through which ``mg_models.load_pretrained`` opens mg checkpoints of any family and
+    layout without mg-models depending on mg-ckpt.
+
+    Raises:
+        mg_ckpt.CheckpointError: unreadable or corrupt checkpoint (names the file).
+        ValueError: the checkpoint carries no (or an unknown) model configuration.
+    """
     if not is_mg_checkpoint(path):
         return None
     config, state, _ = read_mg_checkpoint(path)
     return config, state
-
-
-def register() -> None:
-    """Let ``mg_models.load_pretrained`` open mg checkpoints (all families)."""
-    from mg_models import register_checkpoint_loader
-
-    register_checkpoint_loader(_loader)

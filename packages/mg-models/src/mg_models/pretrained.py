@@ -11,20 +11,61 @@ import torch
 from mg_models.gpt import GPTModel
 from mg_models.hf import read_hf_directory
 
-__all__ = ["MG_CHECKPOINT_LOADERS", "load_pretrained", "model_from_state", "register_checkpoint_loader"]
+__all__ = [
+    "CHECKPOINT_LOADER_GROUP",
+    "MG_CHECKPOINT_LOADERS",
+    "load_pretrained",
+    "model_from_state",
+    "register_checkpoint_loader",
+]
 
 CheckpointLoader = Callable[[Path], "tuple[Any, dict[str, torch.Tensor]] | None"]
+
+CHECKPOINT_LOADER_GROUP = "mg_models.checkpoint_loaders"
+"""Entry-point group of mg checkpoint loaders. mg-models cannot depend on mg-ckpt, so the package that
+reads mg checkpoints (mg-cli) declares its loader under this group, and :func:`load_pretrained`
+finds it without anything being imported or registered first."""
 
 MG_CHECKPOINT_LOADERS: list[CheckpointLoader] = []
 """Loaders for mg checkpoints, tried in order: ``loader(path) -> (config, unsharded mg state) | None``
 (None = not mine); the config is a GPTConfig, BertConfig or T5Config and picks the model class.
-mg-models cannot depend on mg-ckpt, so the CLI registers its reader here."""
+Holds those passed to :func:`register_checkpoint_loader`, then those of the
+:data:`CHECKPOINT_LOADER_GROUP` entry points once :func:`load_pretrained` first needs them."""
+
+_entry_point_errors: list[str] | None = None
+"""None until the entry points are loaded; then one line per entry point that failed to load."""
 
 
 def register_checkpoint_loader(loader: CheckpointLoader) -> None:
-    """Add a loader for mg checkpoints (see :data:`MG_CHECKPOINT_LOADERS`)."""
+    """Add a loader for mg checkpoints (see :data:`MG_CHECKPOINT_LOADERS`); installed packages need not
+    call this, their :data:`CHECKPOINT_LOADER_GROUP` entry points are found by :func:`load_pretrained`."""
     if loader not in MG_CHECKPOINT_LOADERS:
         MG_CHECKPOINT_LOADERS.append(loader)
+
+
+def _discover_checkpoint_loaders() -> list[str]:
+    """Load the :data:`CHECKPOINT_LOADER_GROUP` entry points into :data:`MG_CHECKPOINT_LOADERS` (the first time
+    only); returns a one-line description of each that failed to load."""
+    global _entry_point_errors
+    if _entry_point_errors is None:
+        from importlib.metadata import entry_points
+
+        errors = []
+        for ep in entry_points(group=CHECKPOINT_LOADER_GROUP):
+            where = f"entry point {ep.name!r} = {ep.value!r} (group {CHECKPOINT_LOADER_GROUP!r})"
+            try:
+                loader = ep.load()
+            except Exception as e:  # reported in one line, and only if no other loader opens the path
+                first_line = (str(e).splitlines() or [""])[0]
+                errors.append(f"{where} failed to load: {type(e).__name__}: {first_line}; reinstall the package "
+                              f"that declares it")
+                continue
+            if not callable(loader):
+                errors.append(f"{where} is not callable (a {type(loader).__name__} object)")
+                continue
+            register_checkpoint_loader(loader)
+        _entry_point_errors = errors
+    return _entry_point_errors
 
 
 def model_from_state(config: Any, state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
@@ -84,13 +125,20 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     -> (mlm_logits, binary_logits)``) or a :class:`~mg_models.t5.T5Model` (``model(input_ids,
     decoder_input_ids=..., attention_mask=None) -> (logits, encoder_output)``).
 
+    mg checkpoints (an ``iter_*`` directory or a save directory with ``latest``, any layout) are read by
+    the loaders of :data:`MG_CHECKPOINT_LOADERS`; the first call loads those that installed packages
+    declare as :data:`CHECKPOINT_LOADER_GROUP` entry points (mg-cli does), so plain ``import mg_models``
+    suffices.
+
     Raises:
         FileNotFoundError: ``path`` is not a directory.
-        ValueError: an unsupported architecture, or a directory no loader recognises.
+        ValueError: an unsupported architecture, or a directory no loader recognises (naming any loader
+            entry point that failed to load).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; pass a Hugging Face model directory or an mg checkpoint")
+    broken = _discover_checkpoint_loaders()
     for loader in MG_CHECKPOINT_LOADERS:
         loaded = loader(path)
         if loaded is not None:
@@ -102,5 +150,12 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
             return encoder_model
         config, state, _ = read_hf_directory(path)
         return model_from_state(config, state, dtype=dtype, device=device)
-    raise ValueError(f"{path}: neither a Hugging Face directory (config.json) nor a checkpoint a registered mg "
-                     f"loader recognises; for mg checkpoints call mg_models.register_checkpoint_loader first")
+    if broken:
+        raise ValueError(f"{path}: not a Hugging Face directory (no config.json), and no mg checkpoint loader "
+                         f"recognises it: {'; '.join(broken)}")
+    if not MG_CHECKPOINT_LOADERS:
+        raise ValueError(f"{path}: not a Hugging Face directory (no config.json), and no mg checkpoint loader is "
+                         f"installed: mg checkpoints are read by mg-cli (pip install mg-cli), which declares one "
+                         f"under the entry-point group {CHECKPOINT_LOADER_GROUP!r}")
+    raise ValueError(f"{path}: neither a Hugging Face directory (no config.json) nor a checkpoint an mg checkpoint "
+                     f"loader recognises (an iter_* directory with metadata.json, or a save directory with latest)")

@@ -70,14 +70,12 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     """
     import torch
 
-    from mg_cli.checkpoints import register
     from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
     from mg_models.t5 import T5Model
 
-    register()
     try:
         model, extra, start_id = _load(checkpoint, torch.bfloat16 if dtype == "bf16" else None)
         tokenizer_model = tokenizer_model or extra.get("tokenizer_model")
