@@ -113,3 +113,58 @@ def family_args(corpus: dict[str, Path], family: str, log_dir: Path, *extra: str
     for e in extra:
         args += ["--set", e] if "=" in e and not e.startswith("--") else [e]
     return args
+
+
+def read_checkpoint(path: Path, prefix: str = "") -> dict:
+    """Every tensor of an mg checkpoint (a save directory's latest, or an ``iter_*`` directory) whose name
+    starts with ``prefix``, unsharded, after verifying every file's checksum."""
+    from mg_ckpt import CheckpointReader
+
+    reader = CheckpointReader(str(path), verify=True)
+    return reader.read([n for n in reader.specs if n.startswith(prefix)])
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds ``MG_RUN_ID=marker``."""
+    needle = f"MG_RUN_ID={marker}".encode()
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+class LayoutRuns:
+    """The uninterrupted 20-iteration tiny-model run of each layout, run once per session and shared.
+
+    Each saves at iterations 10 and 20 (``checkpoint.interval=10``), so tests can resume from
+    iteration 10 and compare with iterations 11..20 of the same run, and compare the final
+    parameters with another layout's.
+    """
+
+    def __init__(self, corpus: dict[str, Path], root: Path) -> None:
+        self.corpus, self.root = corpus, root
+        self._runs: dict[tuple, tuple[Path, Path, str]] = {}
+
+    def get(self, nproc: int, sets: tuple[str, ...] = ()) -> tuple[Path, Path, str]:
+        """``(log dir, save dir, stdout)`` of the run with ``sets`` on ``nproc`` processes."""
+        key = (nproc, tuple(sets))
+        if key not in self._runs:
+            d = self.root / f"run{len(self._runs)}"
+            args = tiny_args(self.corpus, d / "log", f"checkpoint.save={d / 'ckpt'}", "checkpoint.interval=10", *sets)
+            if nproc > 1:
+                args += ["--nproc-per-node", str(nproc)]
+            out = mg(*args).stdout
+            self._runs[key] = (d / "log", d / "ckpt", out)
+        return self._runs[key]
+
+
+@pytest.fixture(scope="session")
+def layout_runs(corpus, tmp_path_factory) -> LayoutRuns:
+    return LayoutRuns(corpus, tmp_path_factory.mktemp("layout_runs"))

@@ -172,6 +172,9 @@ class CheckpointSection:
     interval: int = _f(0, "save every this many iterations (0: only at the end)")
     async_: bool = field(default=False, metadata={"help": "write checkpoints in the background", "yaml_name": "async"})
     keep_last: int | None = _f(None, "keep only the newest k checkpoints (null: keep all)")
+    on_signal: Literal["save_and_stop", "save_and_continue"] = _f(
+        "save_and_stop", "on SIGUSR1 (e.g. Slurm's --signal=USR1@90): save, then stop or continue "
+        "(SIGTERM/SIGINT always save and stop)")
 
 
 @dataclass(kw_only=True)

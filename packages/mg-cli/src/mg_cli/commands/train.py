@@ -36,7 +36,12 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
       srun python -m mg_cli.main train --config run.yaml       # MASTER_ADDR/PORT exported
     """
     from mg_cli.config import ConfigError, describe, load_config
+    from mg_cli.launch import die_with_parent, under_launcher
+    from mg_cli.training.signals import SignalFlag
 
+    # A worker takes the signals over before the heavy imports, and dies with its launcher.
+    stop = SignalFlag().install() if under_launcher() else None
+    die_with_parent()
     if list_keys:
         click.echo(describe())
         return
@@ -73,7 +78,15 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
 
     from mg_cli.training import TrainingError, run_training
 
+    if stop is None:
+        stop = SignalFlag()
+        stop.install()
+    stop.usr1_continues = config.checkpoint.on_signal == "save_and_continue"
     try:
-        run_training(config, resume=resume)
+        summary = run_training(config, resume=resume, stop=stop)
     except (TrainingError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        stop.restore()
+    # Tells the launcher this rank ended cleanly, even if a signal reached the launcher meanwhile.
+    launch.report_clean_end(summary["iteration"], summary.get("saved"), summary.get("signal", 0))

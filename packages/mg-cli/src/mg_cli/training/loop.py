@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from typing import Any
 
@@ -18,34 +17,16 @@ import torch.distributed as dist
 
 from mg_cli.config import RunConfig
 from mg_cli.training.setup import Env, TrainingError, check_config, init_distributed, read_env, set_threads
+from mg_cli.training.signals import SAVE, STOP, SignalFlag, signal_name
 
 
-class _StopFlag:
-    """Set by SIGTERM/SIGINT; checked (and agreed on by all ranks) once per iteration."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _all_agree_max(value: float, grid: Any) -> float:
-    """The maximum of ``value`` over all ranks (so every rank takes the same decision)."""
+def _all_agree_max(values: list[float], grid: Any) -> list[float]:
+    """The element-wise maximum of ``values`` over all ranks (so every rank takes the same decision)."""
     if not dist.is_initialized():
-        return value
-    t = torch.tensor([float(value)], device=grid.device)
+        return values
+    t = torch.tensor([float(v) for v in values], device=grid.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
 
 
 def _peak_mem(device: torch.device) -> int:
@@ -59,8 +40,12 @@ def _peak_mem(device: torch.device) -> int:
         return 0
 
 
-def run_training(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | None = None) -> dict[str, Any]:
     """Train as configured; returns a summary (last loss, last validation loss, iterations run).
+
+    ``stop`` records SIGTERM/SIGINT/SIGUSR1 (see :mod:`mg_cli.training.signals`); without it the
+    run installs its own for its duration. After a signal-driven stop the summary holds
+    ``signal`` (its number) and ``saved`` (the checkpoint written, or None).
 
     Raises:
         TrainingError: a configuration, data or checkpoint problem (one line), or a non-finite
@@ -71,10 +56,15 @@ def run_training(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     tokenizer, model_cfg = preflight(config, env)  # before any collective: every rank fails alike
     load_path = _resolve_load(config, resume)
 
+    own_flag = stop is None
+    if stop is None:
+        stop = SignalFlag(usr1_continues=config.checkpoint.on_signal == "save_and_continue").install()
     init_distributed(env)
     try:
-        return _train(config, env, tokenizer, model_cfg, load_path)
+        return _train(config, env, tokenizer, model_cfg, load_path, stop)
     finally:
+        if own_flag:
+            stop.restore()
         from mg_ckpt import finalize
 
         try:
@@ -123,7 +113,8 @@ def _resolve_load(config: RunConfig, resume: bool) -> str | None:
     return None
 
 
-def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None) -> dict[str, Any]:
+def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None,
+           stop: SignalFlag) -> dict[str, Any]:
     from mg_ckpt import wait_for_snapshot
     from mg_cli.training import checkpointing
     from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
@@ -200,17 +191,24 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     slower = slower_than_fp32_note(t.precision, dtype, grid.device)
     if slower:
         logger.message(slower)
-    stop = _StopFlag()
-    stop.install()
     started = time.monotonic()
     fp16 = t.precision == "fp16"
 
     forward_step = forward_step_for(family, config.data.sentence_task)
     extra_losses = logged_losses(family, config.data.sentence_task)
 
-    def save(iteration: int) -> None:
+    saved_at = [None]
+
+    def save(iteration: int, why: str = "") -> str | None:
         if config.checkpoint.save is None:
-            return
+            if why:
+                logger.message(f"{why}; checkpoint.save is not set, nothing saved")
+            return None
+        path = f"{config.checkpoint.save}/iter_{iteration:07d}"
+        if saved_at[0] == iteration:
+            if why:
+                logger.message(f"{why}; checkpoint {path} already saved")
+            return path
         extra = {
             "iteration": iteration,
             "consumed_samples": iteration * t.global_batch_size,
@@ -223,8 +221,10 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         }
         checkpointing.save(config.checkpoint.save, iteration, model, optimizer, grid, extra,
                            async_save=config.checkpoint.async_, keep_last=config.checkpoint.keep_last)
-        logger.message(f"saved checkpoint {config.checkpoint.save}/iter_{iteration:07d}"
+        saved_at[0] = iteration
+        logger.message((f"{why}; saved" if why else "saved") + f" checkpoint {path}"
                        + (" (writing in the background)" if config.checkpoint.async_ else ""))
+        return path
 
     def evaluate(iteration: int) -> float | None:
         if not valid:
@@ -285,12 +285,22 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
                 save(iteration)
             timed_out = (t.exit_after_minutes is not None
                          and time.monotonic() - started > 60 * t.exit_after_minutes)
-            want_stop = _all_agree_max(float(stop.signal is not None or timed_out), grid)
-            if want_stop and iteration < t.iters:
-                reason = "a stop signal" if stop.signal is not None else f"train.exit_after_minutes={t.exit_after_minutes}"
-                logger.message(f"stopping after iteration {iteration} on {reason}")
-                save(iteration)
+            # One all-reduce per iteration: the strongest signal request of any rank, its signal, the time limit.
+            request, signum, timed_out = (int(v) for v in _all_agree_max(
+                [stop.request, stop.signum, float(timed_out)], grid))
+            if iteration >= t.iters:
+                pass  # the end-of-run save below
+            elif request == STOP:
+                path = save(iteration, f"stopping after iteration {iteration} on {signal_name(signum)}")
+                return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": True,
+                        "signal": signum, "saved": path}
+            elif timed_out:
+                save(iteration, f"stopping after iteration {iteration} on train.exit_after_minutes="
+                                f"{t.exit_after_minutes}")
                 return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": True}
+            elif request == SAVE:
+                stop.clear_save()
+                save(iteration, f"{signal_name(signum)} after iteration {iteration}: continuing")
         if config.eval.interval == 0 or iteration % config.eval.interval != 0:
             if valid and iteration > start_iter:
                 last_val = evaluate(iteration)
@@ -298,7 +308,6 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
             save(iteration)
         return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": False}
     finally:
-        stop.restore()
         logger.close()
 
 
