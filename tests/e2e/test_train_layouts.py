@@ -1,39 +1,133 @@
-"""`mg train` end to end: the same run at every parallel layout gives the same losses."""
+"""`mg train` end to end at every parallel layout, against the same run on one process.
+
+A wiring bug that scales a gradient by a constant per parameter (a sum instead of a mean over dp,
+a doubled tied-embedding gradient, a missing sequence-parallel norm reduction) leaves the loss
+nearly unchanged for a few steps while AdamW hides it, so each layout is checked on three counts:
+the loss and the gradient norm at every iteration, and every parameter after the last iteration
+(read unsharded from the saved checkpoint: the whole state within 1e-5 relative to its norm,
+every tensor within 1e-5 root mean square). Each run also reports the settings it really ran
+with, so an option that is silently ignored fails here. Multi-process checkpoints resume
+bit-exactly at their own layout and within 1e-5 at another.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import mg, tiny_args, train_losses
+from tests.e2e.conftest import mg, read_checkpoint, read_metrics, tiny_args
+
+BASE = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "sequence_parallel": False, "distributed_optimizer": False,
+        "recompute": "none", "precision": "fp32", "micro_batches": 4, "schedule": "no_pipelining"}
 
 LAYOUTS = {
-    # name: (processes, --set overrides, the layout line `mg train` must print)
-    "tp2": (2, ["parallel.tp=2"], "tp=2 pp=1 dp=1"),
-    "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "tp=2 pp=1 dp=1"),
-    "pp2": (2, ["parallel.pp=2"], "tp=1 pp=2 dp=1"),
-    "dp2": (2, [], "tp=1 pp=1 dp=2"),
-    "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"], "tp=2 pp=2 dp=1"),
-    "pp2-dp2-distopt": (4, ["parallel.pp=2", "parallel.distributed_optimizer=true"], "tp=1 pp=2 dp=2"),
-    "pp2-vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"], "tp=1 pp=2 dp=1"),
+    # name: (processes, --set overrides, the effective settings the run must report besides BASE)
+    "tp2": (2, ("parallel.tp=2",), {"tp": 2}),
+    "tp2-sp-recompute": (2, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=full"),
+                         {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
+    "pp2": (2, ("parallel.pp=2",), {"pp": 2, "schedule": "1f1b"}),
+    "dp2": (2, (), {"dp": 2, "micro_batches": 2}),
+    "dp2-distopt": (2, ("parallel.distributed_optimizer=true",),
+                    {"dp": 2, "micro_batches": 2, "distributed_optimizer": True}),
+    "tp2-pp2": (4, ("parallel.tp=2", "parallel.pp=2"), {"tp": 2, "pp": 2, "schedule": "1f1b"}),
+    "pp2-dp2-distopt": (4, ("parallel.pp=2", "parallel.distributed_optimizer=true"),
+                        {"pp": 2, "dp": 2, "micro_batches": 2, "distributed_optimizer": True, "schedule": "1f1b"}),
+    "pp2-vpp2": (2, ("parallel.pp=2", "parallel.vpp=2"), {"pp": 2, "vpp": 2, "schedule": "interleaved"}),
 }
 
 
+def iteration_records(log) -> dict[int, dict]:
+    return {r["iteration"]: r for r in read_metrics(log) if "loss" in r}
+
+
+def start_record(log) -> dict:
+    first = read_metrics(log)[0]
+    assert first.get("event") == "start", f"the first metrics.jsonl record is not the run's start: {first}"
+    return first
+
+
+def settings_line(settings: dict) -> str:
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+
+
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> dict[int, float]:
-    log = tmp_path_factory.mktemp("ref")
-    mg(*tiny_args(corpus, log))
-    losses = train_losses(log)
-    assert sorted(losses) == list(range(1, 21)), "iterations must be logged from 1 to train.iters"
-    assert losses[20] < losses[1] - 0.3, f"the tiny model did not learn: {losses[1]} -> {losses[20]}"
-    return losses
+def reference(layout_runs):
+    log, ckpt, out = layout_runs.get(1)
+    records = iteration_records(log)
+    assert sorted(records) == list(range(1, 21)), "iterations must be logged from 1 to train.iters"
+    assert records[20]["loss"] < records[1]["loss"] - 0.3, "the tiny model did not learn"
+    assert start_record(log)["settings"] == BASE
+    assert f"mg train: 1 processes, {settings_line(BASE)}" in out
+    return records, read_checkpoint(ckpt / "iter_0000020", "model/")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, corpus, reference, tmp_path):
-    nproc, sets, line = LAYOUTS[layout]
-    out = mg(*tiny_args(corpus, tmp_path, *sets), "--nproc-per-node", str(nproc)).stdout
-    assert f"mg train: {nproc} processes, {line}" in out, out[-2000:]
-    losses = train_losses(tmp_path)
-    assert sorted(losses) == sorted(reference)
-    for it, ref in reference.items():
-        assert losses[it] == pytest.approx(ref, rel=1e-5), f"{layout}: iteration {it}: {losses[it]} vs {ref}"
+def test_layout_matches_single_process(layout, layout_runs, reference):
+    nproc, sets, expected = LAYOUTS[layout]
+    ref, ref_params = reference
+    log, ckpt, out = layout_runs.get(nproc, sets)
+    settings = {**BASE, **expected}
+    assert f"mg train: {nproc} processes, {settings_line(settings)}" in out, out[:2000]
+    start = start_record(log)
+    assert start["settings"] == settings and start["processes"] == nproc
+    records = iteration_records(log)
+    assert sorted(records) == sorted(ref)
+    for it, r in ref.items():
+        assert records[it]["loss"] == pytest.approx(r["loss"], rel=1e-5), f"{layout}: loss at iteration {it}"
+        assert records[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), f"{layout}: grad_norm at {it}"
+    params = read_checkpoint(ckpt / "iter_0000020", "model/")
+    assert params.keys() == ref_params.keys()
+    # The whole state, relative to its norm, and each tensor's root-mean-square difference: Adam turns
+    # last-bit differences of near-zero gradients (a key bias's is zero in exact arithmetic) into
+    # steps of single elements, which an element-wise bound would flag.
+    diff2 = sum(((params[n] - v) ** 2).sum() for n, v in ref_params.items())
+    norm2 = sum((v**2).sum() for v in ref_params.values())
+    assert (diff2 / norm2).sqrt().item() <= 1e-5, f"{layout}: parameters after 20 iterations differ"
+    for name, value in ref_params.items():
+        rms = (params[name] - value).pow(2).mean().sqrt().item()
+        assert rms <= 1e-5, f"{layout}: {name} after 20 iterations differs by {rms:.3g} (root mean square)"
+
+
+RESUMES = {
+    # saved by (processes, --set overrides of a LAYOUTS run) -> resumed at
+    "tp2-pp2": (4, LAYOUTS["tp2-pp2"][1]),
+    "dp2-distopt": (2, LAYOUTS["dp2-distopt"][1]),
+}
+TARGETS = {"same": None, "tp1-dp4": (4, ()), "pp2-dp2": (4, ("parallel.pp=2",))}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("saved_by", list(RESUMES))
+def test_multi_process_checkpoint_resumes(saved_by, target, corpus, layout_runs, tmp_path):
+    """Saved at iteration 10 by a multi-process run: bit-exact at its own layout, within 1e-5 at another."""
+    nproc, sets = RESUMES[saved_by]
+    log, ckpt, _ = layout_runs.get(nproc, sets)
+    straight = iteration_records(log)
+    to_nproc, to_sets = TARGETS[target] or (nproc, sets)
+    out = mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={ckpt / 'iter_0000010'}", *to_sets),
+             "--nproc-per-node", str(to_nproc)).stdout
+    assert ", resuming at iteration 11" in out
+    resumed = iteration_records(tmp_path)
+    assert sorted(resumed) == list(range(11, 21))
+    for it in range(11, 21):
+        for key in ("loss", "grad_norm"):
+            if target == "same":
+                assert resumed[it][key] == straight[it][key], f"{key} at iteration {it} is not bit-exact"
+            else:
+                assert resumed[it][key] == pytest.approx(straight[it][key], rel=1e-5), f"{key} at iteration {it}"
+
+
+def test_dropout_with_sequence_parallel_resumes_bit_exactly(corpus, layout_runs, tmp_path):
+    """Dropout 0.1 at tp2 with sequence parallelism: the checkpoint restores every rank's RNG streams, so the
+    resumed run draws the same masks (a reseeded run would not)."""
+    sets = ("parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1")
+    log, ckpt, _ = layout_runs.get(2, sets)
+    straight = iteration_records(log)
+    no_dropout = iteration_records(layout_runs.get(2, LAYOUTS["tp2-sp-recompute"][1])[0])
+    assert all(straight[it]["loss"] != no_dropout[it]["loss"] for it in straight), "dropout had no effect"
+    mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={ckpt / 'iter_0000010'}", *sets), "--nproc-per-node", "2")
+    resumed = iteration_records(tmp_path)
+    assert sorted(resumed) == list(range(11, 21))
+    for it in range(11, 21):
+        assert resumed[it]["loss"] == straight[it]["loss"], f"iteration {it}"
+        assert resumed[it]["grad_norm"] == straight[it]["grad_norm"], f"iteration {it}"
+

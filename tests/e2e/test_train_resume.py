@@ -15,22 +15,19 @@ from tests.e2e.conftest import mg, read_metrics, tiny_args, train_losses
 
 
 @pytest.fixture(scope="module")
-def straight(corpus, tmp_path_factory):
-    """20 iterations in one go, and 10 iterations saved (the same run stopped early)."""
-    root = tmp_path_factory.mktemp("resume")
-    mg(*tiny_args(corpus, root / "straight"))
-    # Stopped early: decay_iters pins the schedule to the 20-iteration run's.
-    mg(*tiny_args(corpus, root / "first", f"checkpoint.save={root / 'ckpt'}", "optim.decay_iters=20", iters=10))
-    return root, train_losses(root / "straight")
+def straight(layout_runs):
+    """The shared single-process 20-iteration run, saved at iterations 10 and 20."""
+    log, ckpt, _ = layout_runs.get(1)
+    return ckpt, train_losses(log)
 
 
 def test_same_layout_is_bit_exact(corpus, straight, tmp_path):
-    root, ref = straight
-    assert (root / "ckpt" / "iter_0000010" / "metadata.json").is_file()
-    assert (root / "ckpt" / "latest").read_text().strip() == "10"
+    saved, ref = straight
+    assert (saved / "iter_0000010" / "metadata.json").is_file()
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(root / "ckpt", ckpt)  # --resume continues from the save directory's latest
-    mg(*tiny_args(corpus, tmp_path / "log", f"checkpoint.save={ckpt}", "optim.decay_iters=20"), "--resume")
+    shutil.copytree(saved / "iter_0000010", ckpt / "iter_0000010")  # --resume continues from the latest
+    (ckpt / "latest").write_text("10")
+    mg(*tiny_args(corpus, tmp_path / "log", f"checkpoint.save={ckpt}"), "--resume")
     resumed = train_losses(tmp_path / "log")
     assert sorted(resumed) == list(range(11, 21)), "a run resumed from iter_0000010 logs iterations 11.."
     for it in range(11, 21):
@@ -40,7 +37,7 @@ def test_same_layout_is_bit_exact(corpus, straight, tmp_path):
 def test_async_saves_leave_training_unchanged_and_resume_exactly(corpus, straight, tmp_path):
     """Background-snapshot saves every 3 iterations: the run's own losses are untouched, and a
     checkpoint written while the next iteration ran resumes bit-exactly."""
-    root, ref = straight
+    _, ref = straight
     ckpt = tmp_path / "ckpt"
     mg(*tiny_args(corpus, tmp_path / "async", f"checkpoint.save={ckpt}", "checkpoint.interval=3",
                   "checkpoint.async=true"))
@@ -56,8 +53,8 @@ def test_async_saves_leave_training_unchanged_and_resume_exactly(corpus, straigh
 @pytest.mark.parametrize("nproc, sets", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]),
                                          (2, ["parallel.distributed_optimizer=true"])])
 def test_changed_layout_within_tolerance(corpus, straight, tmp_path, nproc, sets):
-    root, ref = straight
-    mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={root / 'ckpt' / 'iter_0000010'}", "optim.decay_iters=20", *sets),
+    saved, ref = straight
+    mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={saved / 'iter_0000010'}", *sets),
        "--nproc-per-node", str(nproc))
     resumed = train_losses(tmp_path)
     assert sorted(resumed) == list(range(11, 21))

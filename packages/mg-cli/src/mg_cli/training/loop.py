@@ -164,17 +164,18 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         os.makedirs(config.log.dir, exist_ok=True)
         with open(os.path.join(config.log.dir, "config.yaml"), "w") as f:
             f.write(config.to_yaml())
-        logger.message(f"mg train: {env.world_size} processes, tp={grid.tp_size} pp={grid.pp_size} "
-                       f"dp={grid.dp_size}, {num_micro} micro-batches/step, resuming at iteration {start_iter + 1}"
-                       if start_iter else
-                       f"mg train: {env.world_size} processes, tp={grid.tp_size} pp={grid.pp_size} dp={grid.dp_size}, "
-                       f"{num_micro} micro-batches/step")
-        logger.message("resolved config:\n" + config.to_yaml().rstrip())
-
     dtype = PRECISION_DTYPES[t.precision]
     seq = config.model.seq_length
     tensor_shape = (seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size)
     forward_backward = get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None)
+    # What the run really does, read from the objects built (an option that was ignored shows here).
+    settings = effective_settings(grid, model, optimizer, num_micro, forward_backward)
+    if env.is_main:
+        logger.message(f"mg train: {env.world_size} processes, "
+                       + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+                       + (f", resuming at iteration {start_iter + 1}" if start_iter else ""))
+        logger.message("resolved config:\n" + config.to_yaml().rstrip())
+        logger.record({"iteration": start_iter, "event": "start", "processes": env.world_size, "settings": settings})
     family = config.model.type
     # T5: tokens are encoder tokens, and the FLOPs per encoder token include the decoder's share.
     # BERT: the MLM head runs on the masked positions only (at most this many per sample).
@@ -309,6 +310,31 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": False}
     finally:
         logger.close()
+
+
+def effective_settings(grid: Any, model: list[Any], optimizer: Any, num_micro: int,
+                       forward_backward: Any) -> dict[str, Any]:
+    """The settings that change execution, as the built grid, model chunks, optimizer and schedule have them.
+
+    Keys: tp, pp, dp, vpp (model chunks on this rank), sequence_parallel, distributed_optimizer,
+    recompute ("none", "full" or "full:<k> layers"), precision (of the model parameters),
+    micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
+    no_pipelining, 1f1b or interleaved).
+    """
+    inner = [getattr(chunk, "module", chunk) for chunk in model]
+    ctx = getattr(inner[0], "ctx", None)
+    rc = getattr(ctx, "recompute", None)
+    recompute = "none"
+    if rc is not None and rc.granularity is not None:
+        recompute = rc.granularity + (f":{rc.num_layers} layers" if rc.num_layers is not None else "")
+    dtype = next(inner[0].parameters()).dtype
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return {
+        "tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "vpp": len(inner),
+        "sequence_parallel": bool(getattr(ctx, "sequence_parallel", False)),
+        "distributed_optimizer": bool(optimizer.distributed), "recompute": recompute, "precision": precision,
+        "micro_batches": num_micro, "schedule": getattr(forward_backward, "__name__", str(forward_backward)).removeprefix("forward_backward_"),
+    }
 
 
 def _layout_key(grid: Any, config: RunConfig) -> str:

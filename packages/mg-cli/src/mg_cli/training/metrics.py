@@ -75,6 +75,14 @@ class MetricsLogger:
                 parts.append("skipped (fp16 overflow)")
             print(" | ".join(parts), flush=True)
 
+    def record(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to metrics.jsonl only (not shown, not in TensorBoard), e.g. the run's settings."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
     def message(self, text: str) -> None:
         if not self.enabled:
             return
