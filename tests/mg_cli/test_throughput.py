@@ -106,11 +106,10 @@ def test_speed_vs_fp32_and_the_start_up_line(monkeypatch):
     assert throughput.slower_than_fp32_note("fp16", torch.float16, CPU) is None  # faster: nothing to say
 
 
-def test_utilization_raises_a_measured_peak_never_a_published_one():
+def test_utilization_is_never_capped():
     measured = PeakFlops(100.0, "measured fp32 on cpu")
     assert measured.utilization(50.0) == 0.5
-    assert measured.utilization(150.0) == 1.0 and measured.flops_per_s == 150.0
-    assert measured.utilization(75.0) == 0.5
+    assert measured.utilization(150.0) == 1.5 and measured.flops_per_s == 100.0  # a bug to see, not to hide
     assert PeakFlops(100.0, "published H100 SXM bf16").utilization(150.0) == 1.5
 
 

@@ -122,6 +122,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     from mg_cli.training.families import forward_step_for, logged_losses
     from mg_cli.training.metrics import MetricsLogger
     from mg_cli.training.schedule import LRSchedule
+    from mg_cli.training.throughput import peak_flops, slower_than_fp32_note
     from mg_models import flops_per_token
     from mg_parallel import ParallelDims, build_grid
     from mg_parallel.pipeline import average_losses, get_forward_backward_func
@@ -168,14 +169,19 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     seq = config.model.seq_length
     tensor_shape = (seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size)
     forward_backward = get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None)
+    peak = peak_flops(dtype, grid.device)  # per device: published for known GPUs, else measured here
     # What the run really does, read from the objects built (an option that was ignored shows here).
     settings = effective_settings(grid, model, optimizer, num_micro, forward_backward)
     if env.is_main:
         logger.message(f"mg train: {env.world_size} processes, "
                        + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
                        + (f", resuming at iteration {start_iter + 1}" if start_iter else ""))
+        slower = slower_than_fp32_note(t.precision, dtype, grid.device)
+        if slower:
+            logger.message(slower)
         logger.message("resolved config:\n" + config.to_yaml().rstrip())
-        logger.record({"iteration": start_iter, "event": "start", "processes": env.world_size, "settings": settings})
+        logger.record({"iteration": start_iter, "event": "start", "processes": env.world_size, "settings": settings,
+                       "mfu_peak_tflops_per_device": peak.flops_per_s / 1e12, "mfu_peak_source": peak.source})
     family = config.model.type
     # T5: tokens are encoder tokens, and the FLOPs per encoder token include the decoder's share.
     # BERT: the MLM head runs on the masked positions only (at most this many per sample).
@@ -186,12 +192,6 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
         masked = max(1, round(ds.masked_lm_prob * ds.max_num_tokens)) / seq
     flops_tok = flops_per_token(model_cfg, seq, recompute=p.recompute == "full", decoder_seq_length=decoder_len,
                                 masked_lm_fraction=masked)
-    from mg_cli.training.throughput import peak_flops, slower_than_fp32_note
-
-    peak = peak_flops(dtype, grid.device)  # per device: published for known GPUs, else measured here
-    slower = slower_than_fp32_note(t.precision, dtype, grid.device)
-    if slower:
-        logger.message(slower)
     started = time.monotonic()
     fp16 = t.precision == "fp16"
 

@@ -11,8 +11,8 @@ runs its matmuls in fp32. So the measured peak of a reduced precision is the bet
 dtype's and fp32's: the step's average FLOP/s cannot exceed the rate of the fastest dtype it runs
 matmuls in, and ``mfu`` cannot legitimately exceed 1. (The published bf16/fp16 peaks of the parts
 below exceed their fp32/TF32 peaks, so the same holds for them.) A measured peak is also only as
-good as the moment it was measured in; :meth:`PeakFlops.utilization` raises it to any step that
-beats it.
+good as the moment it was measured in, so it is the best over sizes, layouts and repeated calls; an
+``mfu`` above 1 is reported as it is (a bug to find: over-counted FLOPs or a wrong peak), never capped.
 """
 
 from __future__ import annotations
@@ -74,12 +74,8 @@ class PeakFlops:
     def utilization(self, achieved_flops_per_s: float) -> float:
         """``achieved / peak``: the MFU of a step that ran ``achieved_flops_per_s`` model FLOP/s on one device.
 
-        A measured peak is a lower estimate of the device's best matmul rate (a busy moment at start-up lowers
-        it), and a step's own model FLOP/s is another one: when the step is faster, the peak is raised to it
-        (that MFU reads 1.0). A published peak is never raised: MFU above 1 against it means over-counted FLOPs.
+        Not capped: a value above 1 means over-counted FLOPs or a wrong peak, and tests fail on it.
         """
-        if self.source.startswith("measured") and achieved_flops_per_s > self.flops_per_s:
-            self.flops_per_s = achieved_flops_per_s
         return achieved_flops_per_s / self.flops_per_s
 
 
