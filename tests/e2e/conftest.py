@@ -140,6 +140,50 @@ def processes_with_marker(marker: str) -> list[int]:
     return pids
 
 
+BASE_SETTINGS = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "sequence_parallel": False, "distributed_optimizer": False,
+                 "recompute": "none", "precision": "fp32", "micro_batches": 4, "schedule": "no_pipelining"}
+"""The effective settings a one-process run of the tiny test models reports."""
+
+
+def settings_line(settings: dict) -> str:
+    """The settings as `mg train`'s start line prints them."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+
+
+def iteration_records(log_dir: Path) -> dict[int, dict]:
+    """The metrics.jsonl record of every logged training iteration, by iteration."""
+    return {r["iteration"]: r for r in read_metrics(log_dir) if "loss" in r}
+
+
+def assert_reports_settings(log_dir: Path, out: str, nproc: int, settings: dict) -> None:
+    """The start line and the first metrics.jsonl record name exactly these effective settings."""
+    assert f"mg train: {nproc} processes, {settings_line(settings)}" in out, out[:2000]
+    first = read_metrics(log_dir)[0]
+    assert first.get("event") == "start", f"the first metrics.jsonl record is not the run's start: {first}"
+    assert first["settings"] == settings and first["processes"] == nproc, first
+
+
+def assert_same_training(records: dict[int, dict], ref: dict[int, dict], what: str, rel: float = 1e-5) -> None:
+    """Loss and grad_norm at every iteration of ``ref`` within ``rel``."""
+    assert sorted(records) == sorted(ref), what
+    for it, r in ref.items():
+        assert records[it]["loss"] == pytest.approx(r["loss"], rel=rel), f"{what}: loss at iteration {it}"
+        assert records[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=rel), f"{what}: grad_norm at {it}"
+
+
+def assert_same_parameters(params: dict, ref: dict, what: str, tol: float = 1e-5) -> None:
+    """Unsharded model states agree: the whole state within ``tol`` relative to its norm, and every tensor within
+    ``tol`` root mean square. (Adam turns last-bit differences of near-zero gradients, such as a key bias's,
+    which is zero in exact arithmetic, into steps of single elements, which an element-wise bound would flag.)"""
+    assert params.keys() == ref.keys(), what
+    diff2 = sum(((params[n] - v) ** 2).sum() for n, v in ref.items())
+    norm2 = sum((v**2).sum() for v in ref.values())
+    assert (diff2 / norm2).sqrt().item() <= tol, f"{what}: parameters differ"
+    for name, value in ref.items():
+        rms = (params[name] - value).pow(2).mean().sqrt().item()
+        assert rms <= tol, f"{what}: {name} differs by {rms:.3g} (root mean square)"
+
+
 class LayoutRuns:
     """The uninterrupted 20-iteration tiny-model run of each layout, run once per session and shared.
 

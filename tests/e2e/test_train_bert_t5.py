@@ -1,24 +1,36 @@
-"""`mg train` for BERT and T5 end to end: every layout gives the single-process losses, resume is bit-exact,
+"""`mg train` for BERT and T5 end to end: every layout gives the single-process losses, grad norms and final
+parameters and reports its effective settings; resume is bit-exact,
 checkpoints record the model family and config, and unsupported setups fail in one line."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import family_args, mg, read_metrics, train_losses
+from tests.e2e.conftest import (
+    BASE_SETTINGS,
+    assert_reports_settings,
+    assert_same_parameters,
+    assert_same_training,
+    family_args,
+    iteration_records,
+    mg,
+    read_checkpoint,
+    train_losses,
+)
 
 ITERS, SAVED = 10, 5
+DISTOPT = {"dp": 2, "micro_batches": 2, "distributed_optimizer": True}
 LAYOUTS = {
-    # family: {name: (processes, --set overrides, the layout line `mg train` must print)}
+    # family: {name: (processes, --set overrides, the effective settings the run must report besides BASE_SETTINGS)}
     "bert": {
-        "tp2": (2, ["parallel.tp=2"], "tp=2 pp=1 dp=1"),
-        "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], "tp=1 pp=1 dp=2"),
-        "pp2": (2, ["parallel.pp=2"], "tp=1 pp=2 dp=1"),
-        "recompute": (1, ["parallel.recompute=full"], "tp=1 pp=1 dp=1"),
+        "tp2": (2, ["parallel.tp=2"], {"tp": 2}),
+        "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], DISTOPT),
+        "pp2": (2, ["parallel.pp=2"], {"pp": 2, "schedule": "1f1b"}),
+        "recompute": (1, ["parallel.recompute=full"], {"recompute": "full"}),
     },
     "t5": {
-        "tp2": (2, ["parallel.tp=2"], "tp=2 pp=1 dp=1"),
-        "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], "tp=1 pp=1 dp=2"),
+        "tp2": (2, ["parallel.tp=2"], {"tp": 2}),
+        "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], DISTOPT),
     },
 }
 
@@ -27,7 +39,8 @@ def _reference(family: str, corpus: dict, root) -> dict[int, float]:
     """One process, ITERS iterations, saving after SAVED (the state a run stopped there would hold)."""
     mg(*family_args(corpus, family, root / "log", f"checkpoint.save={root / 'ckpt'}", f"checkpoint.interval={SAVED}",
                     iters=ITERS))
-    records = [r for r in read_metrics(root / "log") if "loss" in r]
+    by_iteration = iteration_records(root / "log")
+    records = list(by_iteration.values())
     losses = {r["iteration"]: r["loss"] for r in records}
     assert sorted(losses) == list(range(1, ITERS + 1))
     assert losses[ITERS] < losses[1] - 0.2, f"the tiny {family} did not learn: {losses[1]} -> {losses[ITERS]}"
@@ -38,7 +51,7 @@ def _reference(family: str, corpus: dict, root) -> dict[int, float]:
         assert r["mfu"] > 0
     if family == "bert":
         assert all(0.4 < r["sop_loss"] < 1.0 for r in records)  # a 2-way cross entropy, near log 2 early on
-    return losses
+    return by_iteration
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +72,15 @@ def _layouts() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("family, layout", _layouts(), ids=[f"{f}-{n}" for f, n in _layouts()])
 def test_layout_matches_single_process(family, layout, bert_t5_corpus, tmp_path, request):
-    _, ref = request.getfixturevalue(f"{family}_reference")
-    nproc, sets, line = LAYOUTS[family][layout]
-    out = mg(*family_args(bert_t5_corpus, family, tmp_path, *sets, iters=ITERS), "--nproc-per-node", str(nproc)).stdout
-    assert f"mg train: {nproc} processes, {line}" in out, out[-2000:]
-    losses = train_losses(tmp_path)
-    assert sorted(losses) == sorted(ref)
-    for it, value in ref.items():
-        assert losses[it] == pytest.approx(value, rel=1e-5), f"{family} {layout}: iteration {it}: {losses[it]} vs {value}"
+    root, ref = request.getfixturevalue(f"{family}_reference")
+    nproc, sets, expected = LAYOUTS[family][layout]
+    out = mg(*family_args(bert_t5_corpus, family, tmp_path / "log", *sets, f"checkpoint.save={tmp_path / 'ckpt'}",
+                          iters=ITERS), "--nproc-per-node", str(nproc)).stdout
+    assert_reports_settings(tmp_path / "log", out, nproc, {**BASE_SETTINGS, **expected})
+    assert_same_training(iteration_records(tmp_path / "log"), ref, f"{family} {layout}")
+    final = f"iter_{ITERS:07d}"
+    assert_same_parameters(read_checkpoint(tmp_path / "ckpt" / final, "model/"),
+                           read_checkpoint(root / "ckpt" / final, "model/"), f"{family} {layout}")
 
 
 @pytest.mark.parametrize("family", ["bert", "t5"])
@@ -79,7 +93,7 @@ def test_resume_is_bit_exact_and_checkpoint_records_the_family(family, bert_t5_c
     resumed = train_losses(tmp_path)
     assert sorted(resumed) == list(range(SAVED + 1, ITERS + 1)), "a run resumed from iter_0000005 logs 6.."
     for it in resumed:
-        assert resumed[it] == ref[it], f"{family} iteration {it}: {resumed[it]!r} != {ref[it]!r}"
+        assert resumed[it] == ref[it]["loss"], f"{family} iteration {it}: {resumed[it]!r} != {ref[it]['loss']!r}"
     # The contract `mg convert` / `mg generate` read: the family and a config that round-trips.
     state = load_checkpoint(str(ckpt), {})
     assert state["model_family"] == family

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import mg, read_checkpoint, read_metrics, tiny_args
-
-BASE = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "sequence_parallel": False, "distributed_optimizer": False,
-        "recompute": "none", "precision": "fp32", "micro_batches": 4, "schedule": "no_pipelining"}
+from tests.e2e.conftest import (
+    BASE_SETTINGS,
+    assert_reports_settings,
+    assert_same_parameters,
+    assert_same_training,
+    iteration_records,
+    mg,
+    read_checkpoint,
+    tiny_args,
+)
 
 LAYOUTS = {
-    # name: (processes, --set overrides, the effective settings the run must report besides BASE)
+    # name: (processes, --set overrides, the effective settings the run must report besides BASE_SETTINGS)
     "tp2": (2, ("parallel.tp=2",), {"tp": 2}),
     "tp2-sp-recompute": (2, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=full"),
                          {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
@@ -35,28 +41,13 @@ LAYOUTS = {
 }
 
 
-def iteration_records(log) -> dict[int, dict]:
-    return {r["iteration"]: r for r in read_metrics(log) if "loss" in r}
-
-
-def start_record(log) -> dict:
-    first = read_metrics(log)[0]
-    assert first.get("event") == "start", f"the first metrics.jsonl record is not the run's start: {first}"
-    return first
-
-
-def settings_line(settings: dict) -> str:
-    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
-
-
 @pytest.fixture(scope="module")
 def reference(layout_runs):
     log, ckpt, out = layout_runs.get(1)
     records = iteration_records(log)
     assert sorted(records) == list(range(1, 21)), "iterations must be logged from 1 to train.iters"
     assert records[20]["loss"] < records[1]["loss"] - 0.3, "the tiny model did not learn"
-    assert start_record(log)["settings"] == BASE
-    assert f"mg train: 1 processes, {settings_line(BASE)}" in out
+    assert_reports_settings(log, out, 1, BASE_SETTINGS)
     return records, read_checkpoint(ckpt / "iter_0000020", "model/")
 
 
@@ -65,26 +56,9 @@ def test_layout_matches_single_process(layout, layout_runs, reference):
     nproc, sets, expected = LAYOUTS[layout]
     ref, ref_params = reference
     log, ckpt, out = layout_runs.get(nproc, sets)
-    settings = {**BASE, **expected}
-    assert f"mg train: {nproc} processes, {settings_line(settings)}" in out, out[:2000]
-    start = start_record(log)
-    assert start["settings"] == settings and start["processes"] == nproc
-    records = iteration_records(log)
-    assert sorted(records) == sorted(ref)
-    for it, r in ref.items():
-        assert records[it]["loss"] == pytest.approx(r["loss"], rel=1e-5), f"{layout}: loss at iteration {it}"
-        assert records[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), f"{layout}: grad_norm at {it}"
-    params = read_checkpoint(ckpt / "iter_0000020", "model/")
-    assert params.keys() == ref_params.keys()
-    # The whole state, relative to its norm, and each tensor's root-mean-square difference: Adam turns
-    # last-bit differences of near-zero gradients (a key bias's is zero in exact arithmetic) into
-    # steps of single elements, which an element-wise bound would flag.
-    diff2 = sum(((params[n] - v) ** 2).sum() for n, v in ref_params.items())
-    norm2 = sum((v**2).sum() for v in ref_params.values())
-    assert (diff2 / norm2).sqrt().item() <= 1e-5, f"{layout}: parameters after 20 iterations differ"
-    for name, value in ref_params.items():
-        rms = (params[name] - value).pow(2).mean().sqrt().item()
-        assert rms <= 1e-5, f"{layout}: {name} after 20 iterations differs by {rms:.3g} (root mean square)"
+    assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **expected})
+    assert_same_training(iteration_records(log), ref, layout)
+    assert_same_parameters(read_checkpoint(ckpt / "iter_0000020", "model/"), ref_params, layout)
 
 
 RESUMES = {
