@@ -309,6 +309,24 @@ def forward_step_for(family: str, sentence_task: str = "sop") -> Callable[[dict[
     return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]
 
 
+def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length: int, *, recompute: bool) -> float:
+    """Model FLOPs of one training step per token counted in ``tokens_per_s`` (matmuls, forward + backward).
+
+    gpt: per token of the sequence. t5: per encoder token, the decoder's share included (its length
+    from the T5 dataset config). bert: the MLM head runs on the masked positions only, at most
+    ``masked_lm_prob`` of the sample's tokens (from the BERT dataset config).
+    """
+    from mg_models import flops_per_token
+
+    if family == "t5":
+        decoder = ds_config.decoder_seq_length or ds_config.decoder_length
+        return flops_per_token(model_cfg, seq_length, recompute=recompute, decoder_seq_length=decoder)
+    if family == "bert":
+        masked = max(1, round(ds_config.masked_lm_prob * ds_config.max_num_tokens)) / seq_length
+        return flops_per_token(model_cfg, seq_length, recompute=recompute, masked_lm_fraction=masked)
+    return flops_per_token(model_cfg, seq_length, recompute=recompute)
+
+
 def logged_losses(family: str, sentence_task: str) -> tuple[str, ...]:
     """Keys of a micro-batch's logs averaged and logged besides ``loss``."""
     if family == "bert":

@@ -99,3 +99,83 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def effective_settings(run: Any) -> dict[str, Any]:
+    """The settings that change execution, as the built grid, model chunks, optimizer and schedule have them.
+
+    Keys: tp, pp, dp, vpp (model chunks on this rank), sequence_parallel, distributed_optimizer,
+    recompute ("none", "full" or "full:<k> layers"), precision (of the model parameters),
+    micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
+    no_pipelining, 1f1b or interleaved).
+    """
+    import torch
+
+    inner = [getattr(chunk, "module", chunk) for chunk in run.model]
+    ctx = inner[0].ctx
+    rc = ctx.recompute
+    recompute = "none"
+    if rc is not None and rc.granularity is not None:
+        recompute = rc.granularity + (f":{rc.num_layers} layers" if rc.num_layers is not None else "")
+    dtype = next(inner[0].parameters()).dtype
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    grid = run.grid
+    return {
+        "tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "vpp": len(inner),
+        "sequence_parallel": bool(ctx.sequence_parallel), "distributed_optimizer": bool(run.optimizer.distributed),
+        "recompute": recompute, "precision": precision, "micro_batches": run.num_micro,
+        "schedule": run.forward_backward.__name__.removeprefix("forward_backward_"),
+    }
+
+
+def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
+    """Rank 0: ``LOGDIR/config.yaml``, the start line naming the effective settings, a note when the precision's
+    matmuls are slower than fp32's here, the resolved config, and the first metrics.jsonl record."""
+    from mg_cli.training.throughput import slower_than_fp32_note
+
+    if not run.env.is_main:
+        return
+    config = run.config
+    os.makedirs(config.log.dir, exist_ok=True)
+    with open(os.path.join(config.log.dir, "config.yaml"), "w") as f:
+        f.write(config.to_yaml())
+    # What the run really does, read from the objects built (an option that was ignored shows here).
+    settings = effective_settings(run)
+    logger.message(f"mg train: {run.env.world_size} processes, "
+                   + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+                   + (f", resuming at iteration {run.start_iter + 1}" if run.start_iter else ""))
+    slower = slower_than_fp32_note(config.train.precision, run.dtype, run.grid.device)
+    if slower:
+        logger.message(slower)
+    logger.message("resolved config:\n" + config.to_yaml().rstrip())
+    logger.record({"iteration": run.start_iter, "event": "start", "processes": run.env.world_size,
+                   "settings": settings, "mfu_peak_tflops_per_device": peak.flops_per_s / 1e12,
+                   "mfu_peak_source": peak.source})
+
+
+def step_record(run: Any, result: Any, peak: Any) -> dict[str, Any]:
+    """The metrics.jsonl record of one training step (see the mg-cli README for the keys)."""
+    t = run.config.train
+    tokens_per_s = t.global_batch_size * run.config.model.seq_length / result.seconds
+    flops_per_device = run.flops_per_token * tokens_per_s / run.grid.world_size
+    return {
+        "iteration": result.iteration, "loss": result.loss, **result.parts, "lr": result.lr,
+        "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s, "mfu": peak.utilization(flops_per_device),
+        "tflops_per_device": flops_per_device / 1e12, "step_time_s": result.seconds,
+        "peak_mem_bytes": peak_memory_bytes(run.grid.device), "skipped": not result.applied,
+        "loss_scale": float(run.optimizer.loss_scale) if run.fp16 else None,
+    }
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """Peak memory of this process: allocated CUDA memory, or the peak resident set size on CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0

@@ -1,0 +1,122 @@
+"""Building one rank's training run: grid, model chunks, optimizer, schedule, data, and the resume policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mg_cli.config import RunConfig
+from mg_cli.training.setup import Env, TrainingError
+
+
+@dataclass
+class Run:
+    """Everything a rank's training loop works with, built once by :func:`build_run`."""
+
+    config: RunConfig
+    env: Env
+    grid: Any
+    """The process grid (``mg_parallel.ProcessGrid``)."""
+    rng: Any
+    """The RNG tracker shared with the model (dropout streams)."""
+    model: list[Any]
+    """This rank's DDP-wrapped model chunks (one per virtual pipeline stage)."""
+    model_config: Any
+    optimizer: Any
+    schedule: Any
+    """Learning rate as a function of the iteration."""
+    data: Any
+    """``RunData``: datasets and per-rank micro-batch iterators."""
+    forward_backward: Any
+    """The pipeline schedule (``forward_backward(forward_step, batches, model, num_micro, grid, ...)``)."""
+    forward_step: Any
+    logged_losses: tuple[str, ...]
+    """Parts of the loss averaged and logged besides ``loss`` (BERT: ``lm_loss``, ``sop_loss``...)."""
+    dtype: torch.dtype
+    tensor_shape: tuple[int, int, int]
+    """Shape of the activations passed between pipeline stages."""
+    flops_per_token: float
+    """Model FLOPs of one training step per token counted in ``tokens_per_s``."""
+    start_iter: int
+    """Iterations already done (those of the loaded checkpoint); the run goes on at ``start_iter + 1``."""
+
+    @property
+    def num_micro(self) -> int:
+        return self.data.micro_batches_per_step
+
+    @property
+    def fp16(self) -> bool:
+        return self.config.train.precision == "fp16"
+
+
+def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None) -> Run:
+    """Build the grid, model, optimizer, schedule and data, and restore ``load_path`` if given.
+
+    Raises:
+        TrainingError: the checkpoint cannot be loaded (names the file), or the data is unusable.
+    """
+    from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
+    from mg_cli.training.data import RunData
+    from mg_cli.training.families import forward_step_for, logged_losses, step_flops_per_token
+    from mg_cli.training.schedule import LRSchedule
+    from mg_parallel import ParallelDims, build_grid
+    from mg_parallel.pipeline import get_forward_backward_func
+    from mg_parallel.tensor_parallel import RNGTracker
+
+    p, t, o = config.parallel, config.train, config.optim
+    grid = build_grid(ParallelDims(tp=p.tp, pp=p.pp))
+    torch.manual_seed(t.seed)
+    rng = RNGTracker(t.seed, grid)
+    model, optimizer = wrap_and_build_optimizer(build_model_chunks(model_cfg, config, grid, rng), config, grid)
+    schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_iters=o.warmup_iters,
+                          decay_iters=o.decay_iters if o.decay_iters is not None else t.iters,
+                          style=o.decay_style, wsd_decay_fraction=o.wsd_decay_fraction)
+    start_iter = resume(load_path, config, env, grid, rng, model, optimizer) if load_path is not None else 0
+    data = RunData(config, grid, tokenizer)
+    seq = config.model.seq_length
+    family, task = config.model.type, config.data.sentence_task
+    return Run(
+        config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
+        schedule=schedule, data=data,
+        forward_backward=get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None),
+        forward_step=forward_step_for(family, task), logged_losses=logged_losses(family, task),
+        dtype=PRECISION_DTYPES[t.precision],
+        tensor_shape=(seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
+        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, recompute=p.recompute == "full"),
+        start_iter=start_iter,
+    )
+
+
+def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, model: list[Any], optimizer: Any) -> int:
+    """Restore model, optimizer and RNG streams from ``load_path``; returns the iterations it holds.
+
+    At the layout that saved it every rank gets its own RNG streams back (the continuation is
+    bit-exact); at another layout the streams are reseeded from ``train.seed`` + the iteration, so
+    dropout stays reproducible.
+
+    Raises:
+        TrainingError: the checkpoint cannot be read (names the file at fault).
+    """
+    from mg_ckpt import CheckpointError
+    from mg_cli.training import checkpointing
+    from mg_parallel.tensor_parallel import RNGTracker
+
+    try:
+        state = checkpointing.load(load_path, model, optimizer, grid)
+    except CheckpointError as e:
+        raise TrainingError(f"checkpoint.load: {e}") from None
+    start_iter = int(state["iteration"])
+    rngs = state.get("rng") or []
+    if state.get("layout_key") == layout_key(grid, config) and len(rngs) == env.world_size:
+        checkpointing.set_rng_state(rngs[env.rank], rng)
+    else:  # a new layout has new dropout streams; keep them reproducible
+        rng.set_state(RNGTracker(config.train.seed + start_iter, grid).get_state())
+    return start_iter
+
+
+def layout_key(grid: Any, config: RunConfig) -> str:
+    """Identifies a layout in checkpoints: RNG streams are restored only at the same one."""
+    p = config.parallel
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{p.vpp}-do{int(p.distributed_optimizer)}"
