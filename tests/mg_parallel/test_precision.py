@@ -1,10 +1,15 @@
 """Mixed precision: bf16/fp16 loss curves track fp32; an fp16 overflow on one rank makes every
-rank skip the step and back off the loss scale; loss-scaler rules."""
+rank skip the step and back off the loss scale; loss-scaler rules; the precision policy."""
 
 import pytest
+import torch
+from torch import nn
 
-from mg_parallel.grid import ParallelDims, build_grid
-from mg_parallel.optimizer import ConstantLossScaler, DynamicLossScaler
+from mg_parallel import Precision
+from mg_parallel.distributed import DistributedDataParallel
+from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
+from mg_parallel.optimizer import ConstantLossScaler, DynamicLossScaler, OptimizerConfig, build_optimizer
+from mg_parallel.precision import PRECISION_NAMES
 from mg_parallel.testing import run_distributed
 
 from .test_training_parity import train
@@ -77,3 +82,56 @@ def test_dynamic_loss_scaler_rules():
     assert c.scale == 8.0
     with pytest.raises(ValueError):
         DynamicLossScaler(backoff_factor=1.5)
+
+
+@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_precision_policy_dtypes(name, dtype):
+    p = Precision.from_name(name)
+    assert (p.name, p.param_dtype, p.compute_dtype) == (name, dtype, dtype)
+    assert p.grad_reduce_dtype == torch.float32 and p.main_param_dtype == torch.float32
+    assert Precision.resolve(name) == p and Precision.resolve(p) is p
+    with pytest.raises(AttributeError):
+        p.param_dtype = torch.float64  # frozen: one policy object can be shared safely
+
+
+def test_precision_policy_loss_scaler():
+    assert Precision.from_name("fp32").build_loss_scaler() is None
+    assert Precision.from_name("bf16").build_loss_scaler(loss_scale=8.0) is None  # bf16 never scales
+    fp16 = Precision.from_name("fp16")
+    dynamic = fp16.build_loss_scaler(initial_loss_scale=1024.0, min_loss_scale=4.0, loss_scale_window=7, hysteresis=3)
+    assert isinstance(dynamic, DynamicLossScaler)
+    assert (dynamic.scale, dynamic.min_scale, dynamic.growth_interval, dynamic.hysteresis) == (1024.0, 4.0, 7, 3)
+    constant = fp16.build_loss_scaler(loss_scale=128.0, initial_loss_scale=1024.0)
+    assert type(constant) is ConstantLossScaler and constant.scale == 128.0
+    with pytest.raises(ValueError, match="loss_scale must be > 0"):
+        fp16.build_loss_scaler(loss_scale=0.0)
+
+
+def test_precision_policy_unknown_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown precision 'fp8'; choose one of fp32, bf16, fp16"):
+        Precision.from_name("fp8")
+    assert PRECISION_NAMES == ("fp32", "bf16", "fp16")
+    with pytest.raises(ValueError, match=r"optimizer.precision must be one of \('fp32', 'bf16', 'fp16'\)"):
+        OptimizerConfig(precision="fp8")
+
+
+def test_ddp_and_optimizer_follow_the_policy():
+    grid = ProcessGrid.single()
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, grid, precision="bf16")
+    assert ddp.precision == Precision.from_name("bf16")
+    assert [buf.grad_dtype for buf in ddp.buffers] == [torch.float32]
+    opt = build_optimizer([ddp], grid, OptimizerConfig(precision="bf16"))
+    assert opt.precision.name == "bf16" and opt.scaler is None
+    assert all(piece.main.dtype == torch.float32 for piece in opt.pieces)
+    # The keyword of before still decides when no policy is given; a contradiction is an error.
+    plain = DistributedDataParallel(nn.Linear(4, 4).to(torch.bfloat16), grid)
+    assert [buf.grad_dtype for buf in plain.buffers] == [torch.bfloat16]
+    with pytest.raises(ValueError, match="grad_reduce_in_fp32=False contradicts precision='fp16'"):
+        DistributedDataParallel(nn.Linear(4, 4).half(), grid, precision=Precision.from_name("fp16"),
+                                grad_reduce_in_fp32=False)
+    with pytest.raises(ValueError, match="unknown precision 'float16'"):
+        DistributedDataParallel(nn.Linear(4, 4), grid, precision="float16")
+    fp16 = build_optimizer([DistributedDataParallel(nn.Linear(4, 4).half(), grid, precision="fp16")], grid,
+                           OptimizerConfig(precision="fp16", loss_scale=64.0))
+    assert isinstance(fp16.scaler, ConstantLossScaler) and fp16.loss_scale == 64.0

@@ -14,10 +14,13 @@ from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
 from mg_parallel.pipeline import partition_layers
+from mg_parallel.precision import PRECISION_NAMES, Precision
 from mg_parallel.recompute import RecomputeConfig
 from mg_parallel.tensor_parallel import RNGTracker
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = {name: Precision.from_name(name).param_dtype for name in PRECISION_NAMES}
+"""Model parameter dtype by ``train.precision``, derived from :class:`~mg_parallel.precision.Precision`
+(kept for callers that still index it; new code uses ``Precision.from_name(name).param_dtype``)."""
 
 
 def model_config(config: RunConfig, vocab_size: int) -> Any:
@@ -68,7 +71,7 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
     GPT and BERT are cut into pipeline stages by layer; T5 is one chunk (pp must be 1).
     """
     p = config.parallel
-    dtype = PRECISION_DTYPES[config.train.precision]
+    dtype = Precision.from_name(config.train.precision).param_dtype
     if config.model.type == "t5":
         from mg_models.t5 import T5Model
 
@@ -94,11 +97,9 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
 def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, grid: ProcessGrid) -> tuple[list[Any], Any]:
     """DDP-wrap every chunk and build the (distributed) optimizer."""
     p, o, t = config.parallel, config.optim, config.train
+    precision = Precision.from_name(t.precision)
     wrapped = [
-        DistributedDataParallel(
-            chunk, grid, use_distributed_optimizer=p.distributed_optimizer,
-            grad_reduce_in_fp32=t.precision != "fp32",
-        )
+        DistributedDataParallel(chunk, grid, use_distributed_optimizer=p.distributed_optimizer, precision=precision)
         for chunk in chunks
     ]
     opt_config = OptimizerConfig(

@@ -20,6 +20,7 @@ from torch import nn
 
 from mg_parallel.distributed.buffers import Bucket, GradBuffer, ensure_bucket, release_bucket
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.precision import Precision
 
 __all__ = ["DistributedDataParallel"]
 
@@ -44,15 +45,20 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: issue each bucket's reduction from backward hooks as soon as its
             gradients are ready; when False, everything is reduced in :meth:`finish_grad_sync`.
         grad_reduce_in_fp32: keep (and reduce) gradients in fp32 even for bf16/fp16 params.
+            Default: as ``precision`` says (fp32 when its ``grad_reduce_dtype`` is fp32), or
+            False without one.
         use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets are padded to a
             multiple of the data-parallel size and parameters live in a contiguous buffer so the
             optimizer can all-gather its updated shards.
         zero_stage: 1 or 2 (only with the distributed optimizer). Stage 2 gives every bucket its
             own gradient storage, allocated when its first gradient arrives and released after
             the optimizer has consumed its shard (:meth:`release_grad_buffers`).
+        precision: the :class:`~mg_parallel.precision.Precision` (or its name) the model trains
+            with; it decides the gradient-buffer dtype unless ``grad_reduce_in_fp32`` is given.
 
     Raises:
-        ValueError: a bad option value.
+        ValueError: a bad option value, an unknown precision name, or ``grad_reduce_in_fp32``
+            contradicting ``precision``.
     """
 
     def __init__(
@@ -62,9 +68,10 @@ class DistributedDataParallel(nn.Module):
         *,
         bucket_size_mb: float = 40.0,
         overlap_grad_reduce: bool = True,
-        grad_reduce_in_fp32: bool = False,
+        grad_reduce_in_fp32: bool | None = None,
         use_distributed_optimizer: bool = False,
         zero_stage: int = 1,
+        precision: Precision | str | None = None,
     ) -> None:
         super().__init__()
         if bucket_size_mb <= 0:
@@ -73,6 +80,16 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
         if zero_stage == 2 and not use_distributed_optimizer:
             raise ValueError("zero_stage=2 needs use_distributed_optimizer=True (gradients are sharded by it)")
+        self.precision = None if precision is None else Precision.resolve(precision)
+        if self.precision is not None:
+            fp32_from_precision = self.precision.grad_reduce_dtype == torch.float32
+            if grad_reduce_in_fp32 is not None and grad_reduce_in_fp32 != fp32_from_precision:
+                raise ValueError(
+                    f"grad_reduce_in_fp32={grad_reduce_in_fp32} contradicts precision={self.precision.name!r}, whose "
+                    f"gradients are reduced in {self.precision.grad_reduce_dtype}; pass only precision"
+                )
+            grad_reduce_in_fp32 = fp32_from_precision
+        grad_reduce_in_fp32 = bool(grad_reduce_in_fp32)
         self.module = module
         self.grid = grid
         self.overlap_grad_reduce = overlap_grad_reduce

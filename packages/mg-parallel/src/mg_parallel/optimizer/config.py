@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OptimizerConfig"]
+from mg_parallel.precision import PRECISION_NAMES
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
+__all__ = ["OptimizerConfig"]
 
 
 @dataclass(kw_only=True)
@@ -30,7 +30,8 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
     precision: str = "fp32"
-    """Model parameter dtype: "fp32", "bf16" or "fp16"; main params and Adam state are fp32."""
+    """Model parameter dtype: "fp32", "bf16" or "fp16" (a :class:`~mg_parallel.precision.Precision` name);
+    main params and Adam state are fp32."""
     use_distributed_optimizer: bool = False
     """Shard fp32 main params and Adam state over the data-parallel group (ZeRO-1/2)."""
     overlap_param_gather: bool = False
@@ -47,8 +48,8 @@ class OptimizerConfig:
     """fp16 dynamic scaler: overflowing steps tolerated before the scale backs off by 2."""
 
     def __post_init__(self) -> None:
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"optimizer.precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        if self.precision not in PRECISION_NAMES:
+            raise ValueError(f"optimizer.precision must be one of {PRECISION_NAMES}, got {self.precision!r}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optimizer.lr and optimizer.min_lr must be >= 0, got {self.lr}, {self.min_lr}")
         if self.weight_decay < 0:

@@ -26,11 +26,11 @@ from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer.adamw import adamw_update
 from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm, group_by_device
 from mg_parallel.optimizer.config import OptimizerConfig
-from mg_parallel.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from mg_parallel.optimizer.loss_scaler import LossScaler
+from mg_parallel.precision import Precision
 
 __all__ = ["MegatronStyleOptimizer", "build_optimizer"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_FORMAT = "mg-optimizer-v1"
 
 
@@ -66,14 +66,13 @@ class MegatronStyleOptimizer:
         self.config = config
         self.distributed = config.use_distributed_optimizer
         self.step_count = 0
-        self.scaler: LossScaler | None = None
-        if config.precision == "fp16":
-            self.scaler = (
-                ConstantLossScaler(config.loss_scale) if config.loss_scale is not None else DynamicLossScaler(
-                    config.initial_loss_scale, min_scale=config.min_loss_scale,
-                    growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
-                )
-            )
+        self.precision = Precision.from_name(config.precision)
+        """The precision policy of ``config.precision``."""
+        self.scaler: LossScaler | None = self.precision.build_loss_scaler(
+            loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
         base = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps}
         self.param_groups: list[dict[str, Any]] = [
             {**base, "name": "decay", "weight_decay": config.weight_decay, "params": []},
@@ -82,7 +81,7 @@ class MegatronStyleOptimizer:
         self.pieces: list[_Piece] = []
         self._main_shards: list[torch.Tensor] = []  # fp32 copies of low-precision shards
         self._moments: list[torch.Tensor] = []
-        model_dtype = _DTYPES[config.precision]
+        model_dtype = self.precision.param_dtype
         for ci, chunk in enumerate(model_chunks):
             names = {id(p): n for n, p in chunk.module.named_parameters()}
             for buf in chunk.buffers:
@@ -99,11 +98,11 @@ class MegatronStyleOptimizer:
     def _add_bucket(self, ci: int, chunk: DistributedDataParallel, buf: Any, bucket: Any, names: dict[int, str]) -> None:
         lo, hi = chunk.local_shard(bucket)
         n = hi - lo
-        exp_avg = torch.zeros(n, dtype=torch.float32, device=bucket.grad_data.device)
+        exp_avg = torch.zeros(n, dtype=self.precision.main_param_dtype, device=bucket.grad_data.device)
         exp_avg_sq = torch.zeros_like(exp_avg)
         self._moments += [exp_avg, exp_avg_sq]
         main_shard = None
-        if buf.param_dtype != torch.float32:
+        if buf.param_dtype != self.precision.main_param_dtype:
             main_shard = torch.zeros_like(exp_avg)
             self._main_shards.append(main_shard)
         for p in bucket.params:
