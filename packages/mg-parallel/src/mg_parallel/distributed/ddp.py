@@ -18,20 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mg_parallel.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from mg_parallel.distributed.buffers import Bucket, GradBuffer, ensure_bucket, release_bucket
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.precision import Precision
+from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = ["DistributedDataParallel"]
-
-
-# Newer torch renamed the flat-tensor collectives; use whichever this version has.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class DistributedDataParallel(nn.Module):
@@ -97,8 +90,8 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.zero_stage = zero_stage
         self.dp_group = grid.dp_cp_group
-        self.dp_size = _group_size(self.dp_group)
-        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        self.dp_size = group_size(self.dp_group)
+        self.dp_rank = group_rank(self.dp_group)
         self._sync_enabled = True
 
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -214,7 +207,7 @@ class DistributedDataParallel(nn.Module):
         if self.use_distributed_optimizer:
             n = bucket.numel // self.dp_size
             shard = bucket.grad_data[self.dp_rank * n : (self.dp_rank + 1) * n]
-            bucket.handle = _reduce_scatter(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
+            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
 
@@ -243,7 +236,7 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:
             lo, hi = self.local_shard(b)
             assert b.param_data is not None
-            b.gather_handle = _all_gather(
+            b.gather_handle = all_gather_into_tensor(
                 b.param_data, b.param_data[lo:hi], group=self.dp_group, async_op=True
             )
         if not overlap:

@@ -2,48 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.params import grad_of
+from mg_parallel.pipeline.grads import allreduce_shared_embedding_grads
+from mg_parallel.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 __all__ = ["finalize_model_grads", "grad_of"]
-
-
-def grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer uses: ``param.main_grad`` when DDP gave it one, else ``.grad``."""
-    g = getattr(param, "main_grad", None)
-    return g if g is not None else param.grad
-
-
-def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    if group is None or dist.get_world_size(group) == 1 or not grads:
-        return
-    # One collective per dtype instead of one per tensor.
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _unique_params(model_chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
@@ -70,9 +38,5 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
             finish()
-    params = _unique_params(model_chunks)
-    sp = [g for p in params if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None]
-    _all_reduce_coalesced(sp, grid.tp_group)
-    if grid.pp_size > 1 and (grid.is_first_stage or grid.is_last_stage):
-        shared = [g for p in params if getattr(p, "shared_embedding", False) and (g := grad_of(p)) is not None]
-        _all_reduce_coalesced(shared, grid.embedding_group)
+    allreduce_sequence_parallel_grads(model_chunks, grid.tp_group)
+    allreduce_shared_embedding_grads(model_chunks, grid)

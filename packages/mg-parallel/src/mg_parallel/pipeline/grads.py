@@ -9,15 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mg_parallel.collectives import all_reduce_coalesced
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.params import grad_of, unique_params
 
 __all__ = ["allreduce_shared_embedding_grads", "average_losses"]
-
-
-def _grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    # Under the DDP wrapper gradients live in ``main_grad`` (a view into its buffer).
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
 
 
 def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
@@ -27,7 +23,8 @@ def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: Pr
     by the last (output projection), each parameter marked ``param.shared_embedding = True``.
     Summing their gradients over ``grid.embedding_group`` gives both copies the gradient of the
     tied weight, so identical optimizer steps keep them equal. No-op when pp == 1 (the weight is
-    one parameter) and on middle stages.
+    one parameter) and on middle stages. Reads ``param.main_grad`` when DDP gave one, else
+    ``param.grad`` (a missing ``.grad`` counts as zeros and is set to the sum).
 
     Raises:
         RuntimeError: the first and last stage hold different numbers of shared-embedding
@@ -35,8 +32,8 @@ def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: Pr
     """
     if grid.embedding_group is None or not (grid.is_first_stage or grid.is_last_stage):
         return
-    params = [p for chunk in model_chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
-    grads = [_grad_of(p) for p in params]
+    params = [p for p in unique_params(model_chunks) if getattr(p, "shared_embedding", False)]
+    grads = [grad_of(p) for p in params]
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     count = sum(g.numel() for g in grads)
     # One tiny collective so a mismatch is an error rather than a hang in the real reduction.
@@ -48,15 +45,9 @@ def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: Pr
             f"embedding group differs; mark the tied word embedding with param.shared_embedding = True on "
             f"both the first and the last stage (or on neither)"
         )
-    if count == 0:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=grid.embedding_group)
-    offset = 0
+    all_reduce_coalesced(grads, grid.embedding_group)
     for p, g in zip(params, grads):
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-        if _grad_of(p) is None:
+        if grad_of(p) is None:
             p.grad = g
 
 

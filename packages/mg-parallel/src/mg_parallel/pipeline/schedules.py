@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.pipeline.grads import allreduce_shared_embedding_grads
 from mg_parallel.pipeline.p2p import PendingRecv, ensure_p2p_ready, post_step
 from mg_parallel.pipeline.recorder import Recorder
 from mg_parallel.pipeline.timetable import Message, pipeline_plan
@@ -47,18 +46,13 @@ Finalize = Callable[[list[nn.Module], ProcessGrid], None]
 
 
 def finalize_model_grads(model_chunks: list[nn.Module], grid: ProcessGrid) -> None:
-    """The default gradient finalisation after a schedule's last backward.
+    """The default gradient finalisation after a schedule's last backward:
+    :func:`mg_parallel.distributed.finalize_model_grads` (DDP sync, sequence-parallel and tied
+    embedding reductions)."""
+    # Imported here: mg_parallel.distributed imports this package (the tied-embedding reduction).
+    from mg_parallel.distributed import finalize_model_grads as full
 
-    Uses ``mg_parallel.distributed.finalize_model_grads`` (DDP sync, sequence-parallel and tied
-    embedding reductions) when that module is installed, otherwise all-reduces the tied
-    ``shared_embedding`` gradients itself (enough for plain modules without data parallelism).
-    """
-    try:
-        from mg_parallel.distributed import finalize_model_grads as full
-    except ImportError:
-        allreduce_shared_embedding_grads(model_chunks, grid)
-    else:
-        full(model_chunks, grid)
+    full(model_chunks, grid)
 
 
 def _as_chunks(model_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mg_parallel.collectives import all_reduce_coalesced
+from mg_parallel.params import grad_of, unique_params
 from mg_parallel.tensor_parallel.mappings import (
     all_gather_dim0,
     copy_to_tp_region,
@@ -413,30 +415,12 @@ def allreduce_sequence_parallel_grads(
     Under sequence parallelism each rank back-propagates through its own tokens only, so the
     gradients of replicated parameters applied to sequence shards (norm weights, the
     row-parallel bias) are partial; this makes them the full gradient on every rank. Reads
-    ``param.main_grad`` when present (the DDP grad buffer), else ``param.grad``. One
-    all-reduce per dtype. Call it after backward, before the optimizer step, on every tp rank
+    ``param.main_grad`` when present (the DDP grad buffer), else ``param.grad``; a parameter
+    shared by several modules is reduced once. One all-reduce per dtype. Call it after backward, before the optimizer step, on every tp rank
     with the same module structure. No-op for a group of None or one rank.
     """
     if group_size(tp_group) == 1:
         return
     modules = [module] if isinstance(module, nn.Module) else list(module)
-    grads: list[torch.Tensor] = []
-    for m in modules:
-        for p in m.parameters():
-            if not getattr(p, "sequence_parallel", False):
-                continue
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            if g is not None:
-                grads.append(g)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for group_grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group_grads])
-        dist.all_reduce(flat, group=tp_group)
-        offset = 0
-        for g in group_grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    sp = [g for p in unique_params(modules) if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None]
+    all_reduce_coalesced(sp, tp_group)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mg_parallel.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = [
@@ -38,11 +39,6 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
 ]
-
-# torch 2.13 renamed the tensor collectives; keep working on older releases too.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 # --- raw collectives (no autograd) -------------------------------------------------------------
 
@@ -65,7 +61,7 @@ def all_gather_dim0(
     world = group_size(group)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    work = all_gather_into_tensor(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -85,7 +81,7 @@ def reduce_scatter_dim0(
         )
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    work = reduce_scatter_tensor(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
