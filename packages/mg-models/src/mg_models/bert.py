@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mg_models.config import GPTConfig, check_parallel
+from mg_models.config import GPTConfig
 from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
 from mg_models.init import normal_init
 from mg_models.layers import (
@@ -38,6 +38,7 @@ from mg_models.layers import (
     tied_projection,
 )
 from mg_models.spec import BuildContext, ModuleSpec
+from mg_models.stage import PipelineStageModel
 from mg_models.transformer import TransformerBlock, gpt_layer_spec
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
@@ -215,48 +216,29 @@ class BertLMHead(nn.Module):
         return self.layernorm(self.activation(self.dense(x)))
 
 
-class BertModel(nn.Module):
+class BertModel(PipelineStageModel):
     """BERT on mg-parallel layers (see module docstring).
 
     Args:
-        config: the architecture.
-        grid: the process grid (``ProcessGrid.single()`` when None).
-        pre_process: this chunk holds the embedding (first pipeline stage).
-        post_process: this chunk holds the heads (last pipeline stage).
-        layer_range: global ``(start, end)`` layers held here; None means all.
-        sequence_parallel: split activations between tp regions along the sequence.
-        seed: initialisation seed.
-        rng_tracker: mg_parallel ``RNGTracker`` for dropout on tp-sharded activations.
-        recompute: an mg_parallel ``RecomputeConfig``, or None.
-        dtype: parameter dtype (fp32 when None).
+        config: the architecture (a :class:`BertConfig`).
+        grid, pre_process, layer_range, sequence_parallel, seed, rng_tracker, recompute, dtype: as for
+            :class:`~mg_models.stage.PipelineStageModel`.
+        post_process: this chunk holds the MLM and binary heads (last pipeline stage).
 
     Raises:
-        ValueError: the layout does not fit the config (names the field), or a bad layer_range.
+        ValueError: ``config`` is not a BertConfig, the layout does not fit it (names the field), or a bad
+            layer_range.
     """
 
     def __init__(self, config: BertConfig, grid: ProcessGrid | None = None, *, pre_process: bool = True,
                  post_process: bool = True, layer_range: tuple[int, int] | None = None,
                  sequence_parallel: bool = False, seed: int = 1234, rng_tracker: Any = None,
                  recompute: Any = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
         if not isinstance(config, BertConfig):
             raise ValueError(f"BertModel needs a BertConfig, got {type(config).__name__}")
-        grid = grid or ProcessGrid.single()
-        check_parallel(config, grid.tp_size, grid.pp_size)
-        start, end = layer_range if layer_range is not None else (0, config.num_layers)
-        if not 0 <= start < end <= config.num_layers:
-            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= model.num_layers="
-                             f"{config.num_layers}")
-        self.config, self.grid = config, grid
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_range = (start, end)
-        self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
-                                sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
-                                rng_tracker=rng_tracker, recompute=recompute, device=grid.device, dtype=dtype)
-        self.input_tensor: torch.Tensor | None = None
-        self.gather_logits_default = False
-        """When True, forward returns full unpadded MLM logits unless told otherwise (set by load_hf_bert)."""
-
+        super().__init__(config, grid, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                         sequence_parallel=sequence_parallel, seed=seed, rng_tracker=rng_tracker,
+                         recompute=recompute, dtype=dtype)
         self.embedding = BertEmbedding(self.ctx) if pre_process else None
         spec = gpt_layer_spec(self.ctx) if config.pre_layernorm else ModuleSpec(BertLayer)
         self.encoder = TransformerBlock(self.ctx, "encoder", self.layer_range,
@@ -273,12 +255,6 @@ class BertModel(nn.Module):
                 self.binary_head = _replicated_linear(self.ctx, "binary_head", config.hidden_size, 2)
         if pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Pipeline hook: the hidden states [s(/tp), b, h] this (non-first) stage starts from."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *, lm_labels: torch.Tensor | None = None,
@@ -300,19 +276,9 @@ class BertModel(nn.Module):
             binary_logits is [b, 2] (None without the binary head).
         """
         c = self.config
-        if self.pre_process:
-            if input_ids is None:
-                raise ValueError("input_ids are required on the first pipeline stage")
-            b, s = input_ids.shape
-        else:
-            if self.input_tensor is None:
-                raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
-            b, s = self.input_tensor.shape[1], self.input_tensor.shape[0] * (
-                self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        b, s = self._batch_and_seq(input_ids)
         if s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={c.max_position_embeddings}")
-        if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
-            raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
         tied = None
         if self.pre_process and self.post_process and self.ctx.tp_size == 1 and torch.is_grad_enabled():
             tied = TiedGradient()  # embedding and MLM projection share one weight here: one [V, h] gradient
@@ -391,13 +357,10 @@ def load_hf_bert(path: str | Path, *, dtype: torch.dtype | None = None,
         ValueError: unsupported architecture or mismatched tensors.
     """
     from mg_models.hf.bert import read_hf_bert
+    from mg_models.pretrained import model_from_state
 
     config, state = read_hf_bert(path)
-    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
-    model = BertModel(config, grid, dtype=dtype)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"{path}: checkpoint does not match the model: missing {result.missing_keys[:5]}, "
-                         f"unexpected {result.unexpected_keys[:5]}")
-    model.gather_logits_default = True
-    return model.eval()
+    try:
+        return model_from_state(config, state, dtype=dtype, device=device)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

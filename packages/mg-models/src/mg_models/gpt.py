@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mg_models.config import GPTConfig, check_parallel
+from mg_models.config import GPTConfig
 from mg_models.init import normal_init
 from mg_models.layers import RotaryEmbedding
 from mg_models.spec import BuildContext, ModuleSpec
+from mg_models.stage import PipelineStageModel
 from mg_models.transformer import TransformerBlock
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
@@ -127,20 +128,15 @@ def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: to
     return allowed | (k_pos == q_pos)[None, None]
 
 
-class GPTModel(nn.Module):
+class GPTModel(PipelineStageModel):
     """Decoder-only LM on mg-parallel layers (see module docstring).
 
     Args:
         config: the architecture.
-        grid: the process grid (``ProcessGrid.single()`` when None).
-        pre_process: this chunk holds the embedding (first pipeline stage).
+        grid, pre_process, layer_range, sequence_parallel, seed, rng_tracker, dtype: as for
+            :class:`~mg_models.stage.PipelineStageModel`.
         post_process: this chunk holds the final norm and the output head (last stage).
-        layer_range: global ``(start, end)`` layers held here; None means all.
-        sequence_parallel: split activations between tp regions along the sequence.
-        seed: initialisation seed.
-        rng_tracker: mg_parallel ``RNGTracker`` for dropout on tp-sharded activations.
         recompute: an mg_parallel ``RecomputeConfig`` (full layers or core attention only), or None.
-        dtype: parameter dtype (fp32 when None).
         layer_spec: override of the layer spec (default :func:`~mg_models.transformer.gpt_layer_spec`).
 
     Raises:
@@ -152,24 +148,10 @@ class GPTModel(nn.Module):
                  sequence_parallel: bool = False, seed: int = 1234, rng_tracker: Any = None,
                  recompute: Any = None, dtype: torch.dtype | None = None,
                  layer_spec: ModuleSpec | None = None) -> None:
-        super().__init__()
-        grid = grid or ProcessGrid.single()
-        check_parallel(config, grid.tp_size, grid.pp_size)
-        start, end = layer_range if layer_range is not None else (0, config.num_layers)
-        if not 0 <= start < end <= config.num_layers:
-            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= model.num_layers="
-                             f"{config.num_layers}")
-        self.config = config
-        self.grid = grid
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_range = (start, end)
-        self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
-                                sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
-                                rng_tracker=rng_tracker, recompute=recompute, device=grid.device, dtype=dtype)
-        self.input_tensor: torch.Tensor | None = None
-        self.gather_logits_default = False
-        """When True, forward returns full unpadded logits unless told otherwise (set by load_pretrained)."""
-
+        super().__init__(config, grid, pre_process=pre_process, post_process=post_process, layer_range=layer_range,
+                         sequence_parallel=sequence_parallel, seed=seed, rng_tracker=rng_tracker,
+                         recompute=recompute, dtype=dtype)
+        grid = self.grid
         self.embedding = GPTEmbedding(self.ctx) if pre_process else None
         self.rotary = None
         if config.position_embedding == "rope":
@@ -184,12 +166,6 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True
         if config.tie_word_embeddings and pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Pipeline hook: the hidden states [s(/tp), b, h] this (non-first) stage starts from."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
 
     def word_embeddings_weight(self) -> torch.Tensor:
         """The output head's weight shard [V_pad/tp, h] (the embedding's when tied on this stage)."""
@@ -218,21 +194,11 @@ class GPTModel(nn.Module):
             Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above).
         """
         c = self.config
-        if self.pre_process:
-            if input_ids is None:
-                raise ValueError("input_ids are required on the first pipeline stage")
-            b, s = input_ids.shape
-        else:
-            if self.input_tensor is None:
-                raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
-            s_local, b = self.input_tensor.shape[:2]
-            s = s_local * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        b, s = self._batch_and_seq(input_ids)
         offset = inference_cache.offset if inference_cache is not None else 0
         if offset + s > c.max_position_embeddings and c.position_embedding == "learned":
             raise ValueError(f"sequence length {offset + s} exceeds model.max_position_embeddings="
                              f"{c.max_position_embeddings}")
-        if self.ctx.sequence_parallel and s % self.ctx.tp_size != 0:
-            raise ValueError(f"sequence length {s} must be divisible by tp={self.ctx.tp_size} with sequence parallelism")
         device = self.grid.device
         if position_ids is None:
             if attention_mask is not None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["InitMethod", "name_seed", "normal_init", "scaled_std"]
+from mg_parallel.tensor_parallel import InitMethod
 
-InitMethod = Callable[[torch.Tensor], None]
+__all__ = ["InitMethod", "name_seed", "normal_init", "scaled_std"]
 
 
 def name_seed(seed: int, name: str) -> int:

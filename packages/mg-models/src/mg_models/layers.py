@@ -11,6 +11,7 @@ weight is the same at every tp.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -214,7 +215,7 @@ class SelfAttention(nn.Module):
                         dropout: float, is_causal: bool) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with dropout: q [b, heads, s, d], k/v [b, heads, s_k, d] -> [b, heads, s, d]."""
         # Attention dropout acts on this rank's heads, so it draws from the per-tp-rank stream.
-        with self.ctx.tp_rng() if dropout > 0 else _NULL:
+        with self.ctx.tp_rng() if dropout > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -249,19 +250,6 @@ class SelfAttention(nn.Module):
             out = self._core_attention(q, k, v, mask, dropout, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, heads*d]
         return self.linear_proj(out)
-
-
-class _Null:
-    """A reusable no-op context manager."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()
 
 
 class TiedGradient:

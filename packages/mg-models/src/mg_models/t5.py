@@ -492,13 +492,10 @@ def load_hf_t5(path: str | Path, *, dtype: torch.dtype | None = None,
         ValueError: unsupported architecture or mismatched tensors.
     """
     from mg_models.hf.t5 import read_hf_t5
+    from mg_models.pretrained import model_from_state
 
     config, state = read_hf_t5(path)
-    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
-    model = T5Model(config, grid, dtype=dtype)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"{path}: checkpoint does not match the model: missing {result.missing_keys[:5]}, "
-                         f"unexpected {result.unexpected_keys[:5]}")
-    model.gather_logits_default = True
-    return model.eval()
+    try:
+        return model_from_state(config, state, dtype=dtype, device=device)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

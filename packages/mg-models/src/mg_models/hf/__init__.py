@@ -13,16 +13,15 @@ configuration from its ``config.json`` and, where needed, a tensor or two.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from mg_models.config import GPTConfig
 from mg_models.hf import gpt2, llama
+from mg_models.hf.common import load_safetensors_dir, read_config_json, write_hf_files
 from mg_models.hf.groups import TensorGroup, converted_specs, iter_converted
 
 __all__ = ["FAMILY_OF_MODEL_TYPE", "SUPPORTED_MODEL_TYPES", "TensorGroup", "config_from_hf", "config_to_hf",
@@ -73,21 +72,6 @@ def state_to_hf(mg_state: dict[str, torch.Tensor], config: GPTConfig, model_type
     return _adapter(model_type, "state_to_hf").state_to_hf(mg_state, config)
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    single = path / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(path / f)))
-        return state
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; save the model with "
-                            f"save_pretrained(..., safe_serialization=True)")
-
-
 def read_hf_directory(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
     """Read a Hugging Face model directory -> (mg config, unsharded mg state dict, model_type).
 
@@ -96,13 +80,10 @@ def read_hf_directory(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tens
         ValueError: unsupported architecture or mismatched tensors (message names the file/key).
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
-    hf_config = json.loads(cfg_file.read_text())
+    cfg_file, hf_config = read_config_json(path)
     model_type = hf_config.get("model_type", "")
     config = config_from_hf(hf_config, where=str(cfg_file))
-    return config, state_from_hf(_load_safetensors(path), config, model_type), model_type
+    return config, state_from_hf(load_safetensors_dir(path), config, model_type), model_type
 
 
 def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], config: GPTConfig,
@@ -112,15 +93,10 @@ def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], conf
     ``mg_state`` is an unsharded mg state dict (e.g. ``GPTModel(...).state_dict()`` at tp=1);
     ``model_type`` is "gpt2", "llama" or "mistral"; ``extra_config`` adds keys such as token ids.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     adapter = _adapter(model_type, "write_hf_directory")
     hf_config = adapter.config_to_hf(config) if model_type == "gpt2" else adapter.config_to_hf(config, model_type)
     hf_config.update(extra_config or {})
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_to_hf(mg_state, config, model_type).items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    return path
+    return write_hf_files(path, state_to_hf(mg_state, config, model_type), hf_config)
 
 
 def _family_module(model_type: str, where: str) -> Any:
@@ -198,10 +174,7 @@ def read_hf_config(path: str | Path, names: Collection[str],
         FileNotFoundError: no config.json.
         ValueError: an unsupported architecture or feature (names the config.json key).
     """
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
-    hf_config = json.loads(cfg_file.read_text())
+    cfg_file, hf_config = read_config_json(Path(path))
     model_type = hf_config.get("model_type", "")
     if model_type == "bert":
         from mg_models.hf import bert

@@ -8,18 +8,23 @@ word embedding (tied), and ``cls.predictions.decoder.bias`` is the same tensor a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from mg_models.bert import BertConfig
-from mg_models.hf.common import concat, pad_vocab, unpad_vocab
+from mg_models.hf.common import (
+    concat,
+    load_safetensors_dir,
+    pad_vocab,
+    read_config_json,
+    unpad_vocab,
+    write_hf_files,
+)
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
-__all__ = ["config_from_hf", "config_to_hf", "is_ignored", "load_safetensors_dir", "read_hf_bert", "state_from_hf",
+__all__ = ["config_from_hf", "config_to_hf", "is_ignored", "read_hf_bert", "state_from_hf",
            "state_to_hf", "tensor_groups", "write_hf_bert"]
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -167,25 +172,6 @@ def state_to_hf(mg: dict[str, torch.Tensor], c: BertConfig) -> dict[str, torch.T
     return to_hf_state(tensor_groups(c), mg)
 
 
-def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
-
-    Raises:
-        FileNotFoundError: neither file exists.
-    """
-    single = path / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(load_file(str(path / f)))
-        return state
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; save the model with "
-                            f"save_pretrained(..., safe_serialization=True)")
-
-
 def read_hf_bert(path: str | Path) -> tuple[BertConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face BERT directory -> (BertConfig, unsharded mg state dict).
 
@@ -194,12 +180,7 @@ def read_hf_bert(path: str | Path) -> tuple[BertConfig, dict[str, torch.Tensor]]
         ValueError: not a BERT, unsupported feature or mismatched tensors.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
-    hf_config = json.loads(cfg_file.read_text())
-    if hf_config.get("model_type") != "bert":
-        raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected 'bert'")
+    cfg_file, hf_config = read_config_json(path, "bert")
     config = config_from_hf(hf_config, str(cfg_file))  # config errors first, before reading weights
     hf_state = load_safetensors_dir(path)
     if config.add_binary_head and "bert.pooler.dense.weight" not in hf_state:
@@ -209,9 +190,4 @@ def read_hf_bert(path: str | Path) -> tuple[BertConfig, dict[str, torch.Tensor]]
 
 def write_hf_bert(path: str | Path, mg_state: dict[str, torch.Tensor], config: BertConfig) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``BertForPreTraining`` / ``BertForMaskedLM``."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_to_hf(mg_state, config).items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n")
-    return path
+    return write_hf_files(path, state_to_hf(mg_state, config), config_to_hf(config))

@@ -1,12 +1,65 @@
-"""Helpers shared by the Hugging Face adapters: vocabulary padding and rotary layouts."""
+"""Helpers shared by the Hugging Face adapters: reading and writing a model directory, vocabulary
+padding and rotary layouts."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from mg_models.config import GPTConfig
 
-__all__ = ["concat", "interleaved_to_half", "half_to_interleaved", "pad_vocab", "unpad_vocab"]
+__all__ = ["concat", "half_to_interleaved", "interleaved_to_half", "load_safetensors_dir", "pad_vocab",
+           "read_config_json", "unpad_vocab", "write_hf_files"]
+
+
+def read_config_json(path: Path, model_type: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """``(path/config.json, its dict)`` of a Hugging Face model directory.
+
+    Raises:
+        FileNotFoundError: no config.json in ``path``.
+        ValueError: ``model_type`` is given and the file's ``model_type`` differs.
+    """
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
+    hf_config = json.loads(cfg_file.read_text())
+    if model_type is not None and hf_config.get("model_type") != model_type:
+        raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected {model_type!r}")
+    return cfg_file, hf_config
+
+
+def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
+
+    Raises:
+        FileNotFoundError: neither file exists.
+    """
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(path / f)))
+        return state
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; save the model with "
+                            f"save_pretrained(..., safe_serialization=True)")
+
+
+def write_hf_files(path: str | Path, hf_state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> Path:
+    """Write ``config.json`` (sorted, indented) and ``model.safetensors`` (CPU, contiguous copies) into ``path``
+    (created if needed); returns ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def concat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:

@@ -9,15 +9,12 @@ whether the decoder output is scaled from ``scale_decoder_outputs`` (newer files
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from mg_models.hf.bert import load_safetensors_dir
-from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.common import load_safetensors_dir, pad_vocab, read_config_json, unpad_vocab, write_hf_files
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 from mg_models.t5 import T5Config
 
@@ -146,12 +143,7 @@ def read_hf_t5(path: str | Path) -> tuple[T5Config, dict[str, torch.Tensor]]:
         ValueError: not a T5, unsupported feature or mismatched tensors.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} not found; expected a Hugging Face model directory")
-    hf_config = json.loads(cfg_file.read_text())
-    if hf_config.get("model_type") != "t5":
-        raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected 't5'")
+    cfg_file, hf_config = read_config_json(path, "t5")
     config_from_hf(hf_config, str(cfg_file))  # config errors first, before reading weights
     hf_state = load_safetensors_dir(path)
     lm_head = hf_state.get("lm_head.weight")
@@ -162,9 +154,4 @@ def read_hf_t5(path: str | Path) -> tuple[T5Config, dict[str, torch.Tensor]]:
 
 def write_hf_t5(path: str | Path, mg_state: dict[str, torch.Tensor], config: T5Config) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in Hugging Face's T5 layout."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_to_hf(mg_state, config).items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n")
-    return path
+    return write_hf_files(path, state_to_hf(mg_state, config), config_to_hf(config))
