@@ -31,7 +31,18 @@ def local_rank() -> int:
 
 
 def local_device() -> torch.device:
-    """The device this process computes on: ``cuda:LOCAL_RANK`` when CUDA is usable, else CPU."""
+    """The device this process computes on: ``cuda:LOCAL_RANK`` when CUDA is usable, else CPU.
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is not below the number of visible GPUs (two ranks would share
+            one GPU: start at most one process per GPU).
+    """
     if cuda_usable():
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+        rank, count = local_rank(), torch.cuda.device_count()
+        if rank >= count:
+            raise ValueError(
+                f"LOCAL_RANK={rank} but this node has {count} visible GPU(s), so two ranks would share one; start "
+                f"at most {count} processes per node (torchrun --nproc-per-node {count}) or set MG_FORCE_CPU=1"
+            )
+        return torch.device("cuda", rank)
     return torch.device("cpu")

@@ -1,7 +1,7 @@
 """Run a function on N ranks as real processes, for tests.
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(*args)`` on every rank of a
-``torch.distributed`` job (gloo on CPU, NCCL when CUDA is present) and returns the per-rank
+``torch.distributed`` job (NCCL when there is a GPU per rank, else gloo on the CPU) and returns the per-rank
 results as a list indexed by rank.
 
 Workers are started once per ``(world_size, backend)`` and reused by later calls, so a test
@@ -99,9 +99,12 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
+    if backend == "gloo" and torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        # Fewer GPUs than ranks: a gloo job computes on the CPU rather than sharing GPUs.
+        os.environ["MG_FORCE_CPU"] = "1"
     torch.set_num_threads(threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)
     try:
         dist.init_process_group(
             backend,
@@ -281,13 +284,15 @@ def run_distributed(
         fn: a picklable (module-level) function.
         world_size: number of ranks.
         timeout: seconds within which every rank must return.
-        backend: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA is available, else gloo.
+        backend: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA is available with a GPU per rank,
+            else gloo (on the CPU when there are fewer GPUs than ranks).
         threads: intra-op threads per rank (``torch.set_num_threads``).
 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
         RankDied: a rank's process exited without a result.
         RankTimeout: ranks did not return within ``timeout`` s (their stacks are in the message).
+        ValueError: ``world_size < 1``, or ``backend="nccl"`` with fewer GPUs than ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -295,6 +300,11 @@ def run_distributed(
         from mg_parallel.device import default_backend
 
         backend = default_backend()
+        if backend == "nccl" and _gpu_count() < world_size:
+            backend = "gloo"  # NCCL needs one GPU per rank; the ranks run on the CPU instead
+    elif backend == "nccl" and _gpu_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank, but {world_size} ranks see {_gpu_count()} GPU(s); "
+                         f"use backend='gloo' or fewer ranks")
     key = (world_size, backend, threads)
     pool = _POOLS.get(key)
     if pool is not None and not pool.alive():
@@ -311,6 +321,12 @@ def run_distributed(
     except DistributedTestError:
         _POOLS.pop(key, None)
         raise
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def shutdown_pools() -> None:
