@@ -70,6 +70,19 @@ def test_bad_files(tmp_path):
         load_config(wrong)
 
 
+def test_override_does_not_drop_a_malformed_section(tmp_path):
+    """`train: 5` is an error naming the section, also when --set touches it (it was silently replaced)."""
+    bad = tmp_path / "section.yaml"
+    bad.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match=r"section 'train' must be a mapping"):
+        load_config(bad, ["train.iters=3"])
+    with pytest.raises(ConfigError, match=r"section 'train' must be a mapping"):
+        load_config(bad)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("train:\n")  # an empty section is fine
+    assert load_config(empty, ["train.iters=3"]).train.iters == 3
+
+
 def test_model_family_keys():
     keys = set(all_keys())
     assert {"model.kv_channels", "model.num_decoder_layers", "model.decoder_seq_length", "data.sentence_task"} <= keys

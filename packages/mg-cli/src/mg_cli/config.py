@@ -376,9 +376,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         section, leaf, value = parse_override(text)
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
+        if raw.get(section) is None:  # absent, or an empty `section:` line
             raw[section] = {}
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys to values, not "
+                              f"{raw[section]!r}; fix it before --set {text!r} can apply")
         raw[section][leaf] = value
     return from_dict(raw, source)
 

@@ -60,6 +60,8 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
     if max_shard_gb <= 0:
         raise click.ClickException(f"--max-shard-gb={max_shard_gb} must be > 0")
     max_shard_bytes = max(1, int(max_shard_gb * 1e9))
+    from mg_ckpt import CheckpointError
+
     try:
         if source == "hf":
             _hf_to_mg(input_path, output_path, tp, pp, max_shard_bytes)
@@ -67,10 +69,8 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
             _mg_to_hf(input_path, output_path, model_type, max_shard_bytes, tokenizer_dir)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None
-    except Exception as e:
-        if type(e).__name__ == "CheckpointError":
-            raise click.ClickException(str(e).splitlines()[0]) from None
-        raise
+    except CheckpointError as e:  # a corrupt or unreadable checkpoint: one line naming the file, not a traceback
+        raise click.ClickException(str(e).splitlines()[0]) from None
 
 
 def _check_layout(config: Any, family: str, tp: int, pp: int) -> None:

@@ -70,6 +70,7 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     """
     import torch
 
+    from mg_ckpt import CheckpointError
     from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
@@ -102,10 +103,8 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
         raise
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None
-    except Exception as e:  # mg_ckpt.CheckpointError and friends: one line, not a traceback
-        if type(e).__name__ == "CheckpointError":
-            raise click.ClickException(str(e).splitlines()[0]) from None
-        raise
+    except CheckpointError as e:  # a corrupt or unreadable checkpoint: one line naming the file, not a traceback
+        raise click.ClickException(str(e).splitlines()[0]) from None
     if as_json:
         click.echo(json.dumps([
             {"prompt": p, "prompt_ids": i, "generated_ids": t, "logprobs": lp, "text": tok.decode(t)}
