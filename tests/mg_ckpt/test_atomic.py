@@ -164,9 +164,9 @@ def test_async_saves_reuse_buffers_but_not_values(tmp_path):
             t.fill_(-1.0)
         handle.wait()
         assert _loaded_iteration(str(tmp_path)) == it
-    assert len(save_mod._STAGING) == 4 and os.getpriority(os.PRIO_PROCESS, 0) == nice
+    assert len(save_mod.default_saver()._staging) == 4 and os.getpriority(os.PRIO_PROCESS, 0) == nice
     release_staging_buffers()
-    assert not save_mod._STAGING
+    assert not save_mod.default_saver()._staging
 
 
 def test_async_failure_is_reraised_not_swallowed(tmp_path):

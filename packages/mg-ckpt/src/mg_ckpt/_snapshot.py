@@ -1,5 +1,6 @@
-"""Copies of the state an asynchronous save writes: staging buffers reused between saves, and the
-background copy that overlaps the next step's forward and backward (``background_snapshot``)."""
+"""Copies of the state an asynchronous save writes: staging buffers reused between saves (each
+saver owns its own), and the background copy that overlaps the next step's forward and backward
+(``background_snapshot``)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,55 @@ from typing import Any
 import numpy as np
 import torch
 
-# CPU (pinned, for device tensors) buffers of the last asynchronous save, reused by the next one:
-# allocating and first-touching (or pinning) a state-sized buffer costs more than the copy itself.
-_STAGING: dict[tuple, torch.Tensor] = {}
-
-
 _COPY_CHUNK = 8 << 20  # bytes per unit of work shared between the save thread and a waiting caller
 
 
-def _staging(name: str, t: torch.Tensor, keep: bool) -> torch.Tensor:
-    key = (name, tuple(t.shape), t.dtype, t.device.type)
-    out = _STAGING.get(key)
-    if out is None:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        if keep:
-            _STAGING[key] = out
-    return out
+class StagingBuffers:
+    """CPU buffers (pinned, for device tensors) of one saver's last asynchronous save, reused by its next.
+
+    Allocating and first-touching (or pinning) a state-sized buffer costs more than the copy
+    itself, so a :class:`~mg_ckpt.save.CheckpointSaver` keeps them between saves, keyed by tensor
+    name, shape, dtype and device type.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def get(self, name: str, t: torch.Tensor, keep: bool) -> torch.Tensor:
+        """A buffer shaped like ``t`` (the kept one if any; kept for the next save when ``keep``)."""
+        key = _key(name, t)
+        out = self._buffers.get(key)
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            if keep:
+                self._buffers[key] = out
+        return out
+
+    def snapshot(self, name: str, t: torch.Tensor, copy: bool) -> torch.Tensor:
+        """``t`` as a contiguous CPU tensor; a copy into a kept buffer when ``copy`` or on a device."""
+        t = t.detach()
+        if t.device.type == "cpu" and not copy:
+            return t if t.is_contiguous() else t.contiguous()
+        out = self.get(name, t, keep=copy)
+        out.copy_(t, non_blocking=out.is_pinned())
+        return out
+
+    def keep_only(self, live: dict[str, torch.Tensor]) -> None:
+        """Free the buffers of tensors not in ``live`` (name -> the tensor saved now)."""
+        keys = {_key(n, t) for n, t in live.items()}
+        for key in [k for k in self._buffers if k not in keys]:
+            del self._buffers[key]
+
+    def clear(self) -> None:
+        """Free every buffer."""
+        self._buffers.clear()
 
 
-def _snapshot(name: str, t: torch.Tensor, copy: bool) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type == "cpu" and not copy:
-        return t if t.is_contiguous() else t.contiguous()
-    out = _staging(name, t, keep=copy)
-    out.copy_(t, non_blocking=out.is_pinned())
-    return out
+def _key(name: str, t: torch.Tensor) -> tuple:
+    return (name, tuple(t.shape), t.dtype, t.device.type)
 
 
 class _SnapshotCopy:

@@ -30,7 +30,7 @@ from mg_ckpt import _dist
 from mg_ckpt._io import as_bytes, file_checksums, member_path, read_header, torch_dtype
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.metadata import file_digests, read_metadata, resolve_checkpoint
-from mg_ckpt.save import finalize
+from mg_ckpt.save import CheckpointSaver, default_saver
 from mg_ckpt.sharded import Box, ShardedTensor, flat_range_to_boxes, intersect
 
 __all__ = ["load_checkpoint", "verify_files"]
@@ -240,6 +240,7 @@ def load_checkpoint(
     *,
     verify: bool = True,
     strict: bool = True,
+    saver: CheckpointSaver | None = None,
 ) -> dict[str, Any]:
     """Fill the tensors of ``state_template`` in place from a checkpoint saved at any parallel layout.
 
@@ -254,6 +255,9 @@ def load_checkpoint(
         verify: check every shard file's size and checksum (split over ranks) before returning.
         strict: a template name missing from the checkpoint is an error; otherwise it is left
             untouched and a warning names it.
+        saver: the :class:`CheckpointSaver` whose pending saves are waited for first and whose
+            group the ranks coordinate over. Pass the training loop's own saver; ``None`` uses the
+            default saver of :func:`save_checkpoint` (created here if none exists yet, collectively).
 
     Returns:
         The ``extra`` training state given to :func:`save_checkpoint` (with ``"iteration"`` set).
@@ -261,10 +265,10 @@ def load_checkpoint(
     Raises:
         CheckpointError: no checkpoint at ``path``; missing/corrupted/truncated shard files;
             malicious or inconsistent metadata; a tensor missing (strict) or of another global
-            shape — naming the file and tensor. All ranks raise when any rank fails.
+            shape — naming the file and tensor. All ranks raise when any rank fails. Also a failed
+            pending save of ``saver``, or a closed ``saver``.
     """
-    finalize()
-    grp = _dist.group()
+    grp = (saver if saver is not None else default_saver())._begin(f"loading {path}")
     rank, world = _dist.rank(), _dist.world_size()
     error: str | None = None
     verify_error: list[str] = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mg_ckpt import _io
+from mg_ckpt import _commit, _io
 from mg_ckpt import save as _save
 from mg_ckpt.errors import CheckpointError
 from mg_ckpt.load import load_checkpoint, verify_files
@@ -239,7 +239,7 @@ class StreamingCheckpointWriter:
         self._done = False
         try:
             os.makedirs(save_dir, exist_ok=True)
-            _save._clean_stale(save_dir)
+            _commit.clean_stale(save_dir)
             os.makedirs(self._tmp)
         except OSError as e:
             raise CheckpointError(f"saving {self.path}: cannot create {self._tmp}: {e}") from None
@@ -300,7 +300,7 @@ class StreamingCheckpointWriter:
                 os.fsync(f.fileno())
             _io.fsync_dir(self._tmp)
             _step("before_rename")
-            _save._commit(self.save_dir, self._tmp, self.path)
+            _commit.commit(self.save_dir, self._tmp, self.path)
             _step("after_rename")
             write_latest(self.save_dir, self.iteration)
         except OSError as e:
