@@ -128,3 +128,26 @@ def test_generate_from_hf_directory_matches_transformers(tmp_path, corpus):
         ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert row["generated_ids"] == ref
     assert len(row["logprobs"]) == 8 and all(lp <= 0 for lp in row["logprobs"])
+
+
+def test_convert_of_a_corrupt_checkpoint_is_one_line(tmp_path):
+    """A flipped byte in a shard: `mg convert --to hf` exits 1 with one line naming the file (its checksum)."""
+    from click.testing import CliRunner
+
+    from mg_cli.main import cli
+
+    torch.manual_seed(0)
+    _tiny_hf_model("gpt2").save_pretrained(tmp_path / "hf", safe_serialization=True)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--output",
+                                 str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    shard = sorted((tmp_path / "ckpt" / "iter_0000000").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = runner.invoke(cli, ["convert", "--to", "hf", "--input", str(tmp_path / "ckpt"), "--output",
+                                 str(tmp_path / "back")])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and shard.name in lines[0], result.output
