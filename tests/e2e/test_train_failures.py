@@ -26,6 +26,7 @@ from tests.e2e.conftest import mg, read_metrics, tiny_args, train_losses
         (1, ["optim.lrr=1"], "unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
         (1, ["model.preset=gpt-9000"], "model.preset='gpt-9000' is unknown"),
         (1, ["checkpoint.load=/nonexistent/ckpt"], "checkpoint.load: /nonexistent/ckpt does not exist"),
+        (1, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp"),
     ],
 )
 def test_config_errors_are_one_line(corpus, tmp_path, nproc, sets, message):
