@@ -10,7 +10,7 @@ from torch import nn
 from mg_parallel.distributed import DistributedDataParallel, finalize_model_grads
 from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
-from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_replicated
 from mg_parallel.testing import run_distributed
 
 H, HEADS, FFN, V, S, B, LAYERS = 16, 4, 64, 24, 8, 8, 2
@@ -72,6 +72,7 @@ class Layer(nn.Module):
         self.fc1 = ColumnParallelLinear(H, FFN, tp_group=tp_group, sequence_parallel=sp, init_method=init("fc1"))
         self.fc2 = RowParallelLinear(FFN, H, tp_group=tp_group, sequence_parallel=sp, init_method=init("fc2"))
         self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        mark_replicated(self.ln1, self.ln2)  # plain torch modules: the same on every tp rank
         with torch.no_grad():
             for name, mod in (("q", self.q), ("v", self.v), ("fc1", self.fc1)):
                 full = w[f"layers.{i}.{name}.bias"]
@@ -100,6 +101,7 @@ class TinyModel(nn.Module):
         self.sp, self.tp_group = sp, tp_group
         self.layers = nn.ModuleList(Layer(i, w, tp_group, tp, sp) for i in range(LAYERS))
         self.ln_f = nn.LayerNorm(H)
+        mark_replicated(self.ln_f)
         self.head = ColumnParallelLinear(
             H, V, tp_group=tp_group, sequence_parallel=sp, gather_output=True, init_method=lambda t: t.copy_(w["head.weight"])
         )

@@ -46,7 +46,9 @@ from mg_parallel.tensor_parallel import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    mark_replicated,
     scatter_to_sequence_parallel_region,
+    set_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -150,11 +152,13 @@ class BertEmbedding(nn.Module):
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=ctx.dtype,
                                                 device=ctx.device)
         normal_init(ctx.seed, "embedding.position_embeddings.weight", std)(self.position_embeddings.weight)
+        mark_replicated(self.position_embeddings)
         self.tokentype_embeddings = None
         if c.type_vocab_size > 0:
             self.tokentype_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size, dtype=ctx.dtype,
                                                      device=ctx.device)
             normal_init(ctx.seed, "embedding.tokentype_embeddings.weight", std)(self.tokentype_embeddings.weight)
+            mark_replicated(self.tokentype_embeddings)
         self.layernorm = None
         if not c.pre_layernorm:
             self.layernorm = LayerNorm(ctx, "embedding.layernorm")
@@ -191,6 +195,7 @@ def _replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int) -> n
     normal_init(ctx.seed, f"{name}.weight", ctx.config.init_method_std)(layer.weight)
     with torch.no_grad():
         layer.bias.zero_()
+    mark_replicated(layer)
     return layer
 
 
@@ -208,8 +213,7 @@ class BertLMHead(nn.Module):
         ctx.mark_partial_grads(self.layernorm, ctx.sequence_parallel)
         self.bias = nn.Parameter(torch.zeros(c.padded_vocab_size // ctx.tp_size, device=ctx.device,
                                              dtype=ctx.dtype or torch.float32))
-        self.bias.tensor_parallel = True
-        self.bias.partition_dim = 0
+        set_tensor_parallel(self.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] (the [s(/tp), b, h] stream, or selected rows [n, h]) -> transformed, same shape."""

@@ -34,7 +34,9 @@ from mg_parallel.tensor_parallel import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    mark_replicated,
     scatter_to_sequence_parallel_region,
+    set_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -59,6 +61,7 @@ class GPTEmbedding(nn.Module):
                                                     device=ctx.device)
             normal_init(ctx.seed, "embedding.position_embeddings.weight", c.init_method_std)(
                 self.position_embeddings.weight)
+            mark_replicated(self.position_embeddings)
         self.dropout = c.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -91,8 +94,7 @@ class ParallelLMHead(nn.Module):
             normal_init(ctx.seed, init_name, c.init_method_std)(full)
             shard = full.chunk(ctx.tp_size, dim=0)[ctx.tp_rank].clone()
             self.weight = nn.Parameter(shard.to(device=ctx.device, dtype=ctx.dtype or torch.float32))
-            self.weight.tensor_parallel = True
-            self.weight.partition_dim = 0
+            set_tensor_parallel(self.weight, 0)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.ctx.sequence_parallel:

@@ -21,7 +21,7 @@ from torch import nn
 
 from mg_models.init import normal_init, scaled_std
 from mg_models.spec import BuildContext, ModuleSpec, build_module
-from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_replicated
 
 __all__ = [
     "MLP",
@@ -41,19 +41,22 @@ __all__ = [
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm over the last dim with the config's eps; weight 1, bias 0."""
+    """LayerNorm over the last dim with the config's eps; weight 1, bias 0 (replicated over tp)."""
 
     def __init__(self, ctx: BuildContext, prefix: str, dim: int | None = None) -> None:
         super().__init__(dim or ctx.config.hidden_size, eps=ctx.config.norm_eps, device=ctx.device, dtype=ctx.dtype)
+        mark_replicated(self)
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama): normalised in fp32, cast back, then scaled by the weight."""
+    """Root-mean-square norm (Llama): normalised in fp32, cast back, then scaled by the weight (replicated
+    over tp)."""
 
     def __init__(self, ctx: BuildContext, prefix: str, dim: int | None = None) -> None:
         super().__init__()
         self.eps = ctx.config.norm_eps
         self.weight = nn.Parameter(torch.ones(dim or ctx.config.hidden_size, device=ctx.device, dtype=ctx.dtype))
+        mark_replicated(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape and dtype."""

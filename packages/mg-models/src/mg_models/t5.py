@@ -37,6 +37,7 @@ from mg_parallel.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
+    mark_replicated,
     vocab_parallel_cross_entropy,
 )
 
@@ -308,6 +309,7 @@ class T5Stack(nn.Module):
                                                     dtype=ctx.dtype, device=ctx.device)
         normal_init(ctx.seed, f"{prefix}.relative_attention_bias.weight", c.init_factor * c.hidden_size ** -0.5)(
             self.relative_attention_bias.weight)
+        mark_replicated(self.relative_attention_bias)
         # Each tp rank reads only its heads' columns: grads are partial over tp (all-reduced like SP params).
         ctx.mark_partial_grads(self.relative_attention_bias, ctx.tp_size > 1)
         self.layers = nn.ModuleList([T5Layer(ctx, f"{prefix}.layers.{i}", i, decoder) for i in range(n)])

@@ -3,7 +3,9 @@
 A parameter's gradient must be counted exactly once in the global norm:
 
 * tensor-parallel shards (``param.tensor_parallel``) are distinct on every tp rank: all count;
-* replicated parameters are identical on every tp rank: only tp rank 0 counts them;
+* replicated parameters are identical on every tp rank: only tp rank 0 counts them (at tp > 1 a
+  parameter without a tensor-parallel tag is an error, see
+  :func:`~mg_parallel.tensor_parallel.is_tensor_parallel`);
 * the copy of a tied embedding on the last pipeline stage (``param.shared_embedding`` with
   pp > 1) repeats the first stage's: only the first stage counts it;
 * without the distributed optimizer every data/context-parallel replica holds the same full
@@ -17,13 +19,19 @@ import torch
 import torch.distributed as dist
 
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel.utils import is_tensor_parallel
 
 __all__ = ["counts_in_norm", "global_grad_norm", "clip_grads"]
 
 
-def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: bool) -> bool:
-    """Whether this rank's gradient of ``param`` contributes to the global norm (see module doc)."""
-    if not getattr(param, "tensor_parallel", False) and grid.tp_rank != 0:
+def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: bool, name: str | None = None) -> bool:
+    """Whether this rank's gradient of ``param`` contributes to the global norm (see module doc).
+
+    Raises:
+        ValueError: at tp > 1, ``param`` (called ``name``) has no tensor-parallel tag (raised on
+            every tp rank alike, so none is left waiting in a collective).
+    """
+    if grid.tp_size > 1 and not is_tensor_parallel(param, name) and grid.tp_rank != 0:
         return False
     if getattr(param, "shared_embedding", False) and grid.pp_size > 1 and not grid.is_first_stage:
         return False

@@ -28,6 +28,7 @@ from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_n
 from mg_parallel.optimizer.config import OptimizerConfig
 from mg_parallel.optimizer.loss_scaler import LossScaler
 from mg_parallel.precision import Precision
+from mg_parallel.tensor_parallel.utils import is_tensor_parallel
 
 __all__ = ["MegatronStyleOptimizer", "build_optimizer"]
 
@@ -55,7 +56,8 @@ class _Piece:
 class MegatronStyleOptimizer:
     """AdamW with fp32 main params, loss scaling, global-norm clipping and optional ZeRO sharding.
 
-    Build it with :func:`build_optimizer`. Use per iteration: ``zero_grad()``, forward,
+    Build it with :func:`build_optimizer` (at tp > 1 every parameter must carry a tensor-parallel tag,
+    see :func:`~mg_parallel.tensor_parallel.is_tensor_parallel`). Use per iteration: ``zero_grad()``, forward,
     ``scale_loss(loss).backward()`` (under ``no_sync()`` for all but the last micro-batch),
     ``finalize_model_grads(...)``, then ``step()``.
     """
@@ -84,6 +86,11 @@ class MegatronStyleOptimizer:
         model_dtype = self.precision.param_dtype
         for ci, chunk in enumerate(model_chunks):
             names = {id(p): n for n, p in chunk.module.named_parameters()}
+            if grid.tp_size > 1:
+                # Every parameter, not only this rank's pieces: dp peers own different pieces, and all
+                # ranks must fail together rather than leave some waiting in a collective.
+                for p in chunk.parameters_with_grad():
+                    is_tensor_parallel(p, names[id(p)])
             for buf in chunk.buffers:
                 if buf.param_dtype != model_dtype:
                     raise ValueError(
@@ -125,7 +132,7 @@ class MegatronStyleOptimizer:
                     chunk=ci, name=names[id(p)], param=p, flat_offset=s - ps, numel=e - s,
                     grad=bucket.grad_data[s:e], main=main,
                     exp_avg=exp_avg[s - lo : e - lo], exp_avg_sq=exp_avg_sq[s - lo : e - lo],
-                    group=group, counted=counts_in_norm(p, self.grid, sharded_over_dp=self.distributed),
+                    group=group, counted=counts_in_norm(p, self.grid, sharded_over_dp=self.distributed, name=names[id(p)]),
                     aliased=main_shard is None,
                 )
             )
@@ -315,7 +322,8 @@ def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid
 
     Raises:
         ValueError: a chunk is not a :class:`DistributedDataParallel`, or its
-            ``use_distributed_optimizer`` disagrees with ``config.use_distributed_optimizer``.
+            ``use_distributed_optimizer`` disagrees with ``config.use_distributed_optimizer``, or
+            (tp > 1) a parameter has no tensor-parallel tag (the message names it).
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     for i, c in enumerate(chunks):

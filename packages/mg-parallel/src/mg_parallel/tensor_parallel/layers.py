@@ -38,7 +38,14 @@ from mg_parallel.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
-from mg_parallel.tensor_parallel.utils import divide, group_rank, group_size, vocab_range
+from mg_parallel.tensor_parallel.utils import (
+    divide,
+    group_rank,
+    group_size,
+    mark_replicated,
+    set_tensor_parallel,
+    vocab_range,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -67,11 +74,6 @@ def normal_init_method(std: float = 0.02) -> InitMethod:
         nn.init.normal_(weight, mean=0.0, std=std)
 
     return init
-
-
-def _set_tp_attrs(param: nn.Parameter, partition_dim: int) -> None:
-    param.tensor_parallel = True
-    param.partition_dim = partition_dim
 
 
 def _sharded_weight(
@@ -216,12 +218,12 @@ class ColumnParallelLinear(nn.Module):
         self.async_grad_allreduce = async_grad_allreduce
         self.out_features_per_rank = divide(out_features, self.tp_size, "ColumnParallelLinear out_features")
         self.weight = _sharded_weight((out_features, in_features), 0, tp_group, init_method, dtype, device)
-        _set_tp_attrs(self.weight, 0)
+        set_tensor_parallel(self.weight, 0)
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.out_features_per_rank, dtype=self.weight.dtype, device=self.weight.device)
             )
-            _set_tp_attrs(self.bias, 0)
+            set_tensor_parallel(self.bias, 0)
         else:
             self.register_parameter("bias", None)
 
@@ -264,7 +266,8 @@ class RowParallelLinear(nn.Module):
         init_method: fills the full fp32 weight ``[out, in]`` in place (default ``N(0, 0.02^2)``).
         dtype, device: of the parameters.
 
-    Local weight ``[out, in/tp]``, marked ``tensor_parallel=True``, ``partition_dim=1``.
+    Local weight ``[out, in/tp]``, marked ``tensor_parallel=True``, ``partition_dim=1``; the bias
+    ``tensor_parallel=False``.
 
     Raises:
         ValueError: ``in_features`` is not divisible by the tp size, or ``sequence_parallel``
@@ -298,9 +301,10 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features_per_rank = divide(in_features, self.tp_size, "RowParallelLinear in_features")
         self.weight = _sharded_weight((out_features, in_features), 1, tp_group, init_method, dtype, device)
-        _set_tp_attrs(self.weight, 1)
+        set_tensor_parallel(self.weight, 1)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
+            set_tensor_parallel(self.bias, None)  # replicated: added after the sum over ranks
             if sequence_parallel:
                 self.bias.sequence_parallel = True
         else:
@@ -373,7 +377,7 @@ class VocabParallelEmbedding(nn.Module):
         divide(num_embeddings, self.tp_size, "VocabParallelEmbedding num_embeddings (pad it with pad_vocab_size)")
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, group_rank(tp_group), self.tp_size)
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, tp_group, init_method, dtype, device)
-        _set_tp_attrs(self.weight, 0)
+        set_tensor_parallel(self.weight, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Look up ``ids`` (int64, any shape; ``[s, b]`` with sequence parallelism) -> ``[*ids.shape, h]``."""
@@ -401,7 +405,10 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
     Use it on replicated modules that run on sequence-parallel activations: their gradients
     are partial per rank and must be summed over the tensor-parallel group before the step
     (:func:`allreduce_sequence_parallel_grads`, or the DDP wrapper's ``finalize_model_grads``).
+    Being replicated, parameters without a tensor-parallel tag are also tagged so
+    (:func:`~mg_parallel.tensor_parallel.mark_replicated`).
     """
+    mark_replicated(module)
     for p in module.parameters():
         p.sequence_parallel = True
     return module

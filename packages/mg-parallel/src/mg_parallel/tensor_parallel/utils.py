@@ -1,23 +1,79 @@
-"""Small helpers shared by the tensor-parallel layers: group sizes, divisibility, vocab padding.
+"""Small helpers shared by the tensor-parallel layers: group sizes, divisibility, vocab padding,
+and the tags that say whether a parameter is split over the tensor-parallel group.
 
 A process group of ``None`` always means "one rank, no communication", so every helper here
 works in a single process without ``torch.distributed``.
+
+**Tensor-parallel tags.** Every parameter of an mg layer says at construction whether it is
+split over the tensor-parallel group (``param.tensor_parallel = True`` plus
+``param.partition_dim``) or replicated (``param.tensor_parallel = False``). The global gradient
+norm and checkpoint slicing depend on it at tp > 1, where a missing tag is an error
+(:func:`is_tensor_parallel`) rather than a guess: guessing "replicated" for a forgotten shard
+would count it on one tp rank only and give a wrong grad norm. Tag plain torch modules (e.g.
+``nn.LayerNorm``) with :func:`mark_replicated`; at tp = 1 no tag is needed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "divide",
     "group_rank",
     "group_size",
+    "is_tensor_parallel",
+    "mark_replicated",
     "pad_vocab_size",
+    "set_tensor_parallel",
     "shard_info",
     "split_along_dim",
     "vocab_range",
 ]
+
+
+def set_tensor_parallel(param: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
+    """Tag ``param`` as split over the tensor-parallel group along ``partition_dim``, or (None) as
+    replicated on every tp rank; returns ``param``."""
+    param.tensor_parallel = partition_dim is not None
+    if partition_dim is not None:
+        param.partition_dim = partition_dim
+    return param
+
+
+def mark_replicated(*modules: nn.Module) -> None:
+    """Tag every parameter of ``modules`` that has no tensor-parallel tag yet as replicated.
+
+    Use it on plain torch modules inside a tensor-parallel model (norms, small replicated linears):
+    their parameters are the same on every tp rank. Tags already set (a parallel layer inside one of
+    ``modules``) are kept.
+    """
+    for module in modules:
+        for p in module.parameters():
+            if not hasattr(p, "tensor_parallel"):
+                p.tensor_parallel = False
+
+
+def is_tensor_parallel(param: torch.Tensor, name: str | None = None) -> bool:
+    """``param.tensor_parallel``: True for a tp shard, False for a replicated parameter.
+
+    Args:
+        param: a parameter tagged by an mg layer, :func:`set_tensor_parallel` or :func:`mark_replicated`.
+        name: the parameter's name, for the error message.
+
+    Raises:
+        ValueError: ``param`` carries no tag (names the parameter and how to tag it).
+    """
+    tag = getattr(param, "tensor_parallel", None)
+    if tag is None:
+        what = f"parameter {name!r}" if name else f"a parameter of shape {list(param.shape)}"
+        raise ValueError(
+            f"{what} has no tensor_parallel tag, so at tp > 1 it is unknown whether it is a shard; build it "
+            f"from mg_parallel.tensor_parallel layers, or tag its module with "
+            f"mg_parallel.tensor_parallel.mark_replicated(module) when it is the same on every tp rank"
+        )
+    return bool(tag)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -81,23 +137,28 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     return ((vocab_size + step - 1) // step) * step
 
 
-def shard_info(param: torch.Tensor, grid: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def shard_info(param: torch.Tensor, grid: object, *, name: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The global shape of ``param`` and the offset of this rank's shard inside it.
 
-    A parameter marked ``tensor_parallel=True`` by a layer is split evenly along
+    A parameter tagged ``tensor_parallel=True`` by a layer is split evenly along
     ``param.partition_dim`` over ``grid.tp_size`` ranks, this rank holding part ``grid.tp_rank``.
-    Any other parameter is replicated: its global shape is its local shape, offset all zeros.
+    A parameter tagged ``tensor_parallel=False`` is replicated: its global shape is its local
+    shape, offset all zeros; so is every parameter at tp = 1, tagged or not.
 
     Args:
         param: a parameter (or tensor carrying the same attributes).
         grid: a :class:`mg_parallel.grid.ProcessGrid` (only ``tp_size`` and ``tp_rank`` are read).
+        name: the parameter's name, for the error message.
 
     Returns:
         ``(global_shape, global_offset)`` as tuples of ints, one entry per dimension.
+
+    Raises:
+        ValueError: at tp > 1, ``param`` has no tensor-parallel tag (see :func:`is_tensor_parallel`).
     """
     shape = list(param.shape)
     offset = [0] * len(shape)
-    if getattr(param, "tensor_parallel", False):
+    if grid.tp_size > 1 and is_tensor_parallel(param, name):
         dim = param.partition_dim
         tp_size, tp_rank = grid.tp_size, grid.tp_rank
         offset[dim] = shape[dim] * tp_rank
