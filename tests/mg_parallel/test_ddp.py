@@ -216,3 +216,22 @@ def test_ddp_options_are_validated_single_process():
         torch.testing.assert_close(p.main_grad, q.grad, msg=n)
         assert p.grad is None
     assert set(ddp.state_dict()) == set(ref.state_dict())
+
+
+def _unwrapped_worker() -> dict:
+    grid = build_grid(ParallelDims())  # dp=2
+    wrapped = DistributedDataParallel(nn.Linear(2, 2), grid)
+    try:
+        finalize_model_grads([wrapped, nn.Linear(2, 2)], grid)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_finalize_rejects_an_unwrapped_chunk_at_dp2():
+    for r in run_distributed(_unwrapped_worker, 2):
+        assert r["error"] is not None and r["error"].startswith("model chunk 1 is a Linear, not wrapped in "
+                                                                "mg_parallel.distributed.DistributedDataParallel")
+        assert "dp*cp=2" in r["error"]
+    # One replica: nothing to average, so a plain module is fine (e.g. the pipeline tests' stages).
+    finalize_model_grads([nn.Linear(2, 2)], ProcessGrid.single())

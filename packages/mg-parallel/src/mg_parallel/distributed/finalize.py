@@ -18,7 +18,9 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -
     """Make every gradient final: data-parallel sync, then tensor- and pipeline-parallel fix-ups.
 
     1. ``finish_grad_sync()`` on every chunk that has it (DDP-wrapped chunks): waits for (or
-       issues) each bucket's all-reduce / reduce-scatter over the data-parallel group.
+       issues) each bucket's all-reduce / reduce-scatter over the data-parallel group. With more
+       than one data/context-parallel rank every chunk must be wrapped (torch's own
+       ``DistributedDataParallel``, which reduces during backward, is accepted too).
     2. Parameters marked ``sequence_parallel`` (replicated norms, row-parallel biases) have
        partial gradients on each tensor-parallel rank under sequence parallelism: their
        gradients are summed over ``grid.tp_group``.
@@ -33,7 +35,20 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -
     Args:
         model_chunks: this rank's model chunks (usually ``DistributedDataParallel`` wrappers).
         grid: the process grid.
+
+    Raises:
+        ValueError: dp * cp > 1 and a chunk is not wrapped for data parallelism (its gradients
+            would silently stay per-replica); raised on every rank before any communication.
     """
+    replicas = grid.dp_size * grid.cp_size
+    if replicas > 1:
+        for i, chunk in enumerate(model_chunks):
+            if not (hasattr(chunk, "finish_grad_sync") or isinstance(chunk, nn.parallel.DistributedDataParallel)):
+                raise ValueError(
+                    f"model chunk {i} is a {type(chunk).__name__}, not wrapped in "
+                    f"mg_parallel.distributed.DistributedDataParallel, so with dp*cp={replicas} its gradients would "
+                    f"not be averaged over the data-parallel ranks; wrap every chunk before training"
+                )
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
