@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mg_ckpt import ShardedTensor, load_checkpoint, save_checkpoint
+from mg_ckpt import CheckpointSaver, ShardedTensor, load_checkpoint
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import shard_info
 
@@ -144,9 +144,9 @@ def gather_rng(rng_tracker: Any) -> list[dict[str, Any]]:
     return out
 
 
-def save(save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid,
-         extra: dict[str, Any], *, async_save: bool, keep_last: int | None) -> Any:
-    """Save model + optimizer + ``extra`` as ``save_dir/iter_{iteration:07d}`` (collective)."""
+def save(saver: CheckpointSaver, save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Any,
+         grid: ProcessGrid, extra: dict[str, Any], *, async_save: bool, keep_last: int | None) -> Any:
+    """Save model + optimizer + ``extra`` as ``save_dir/iter_{iteration:07d}`` through ``saver`` (collective)."""
     state: dict[str, Any] = model_state(chunks, grid, for_load=False)
     opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=False)
     state.update(opt_pieces)
@@ -154,13 +154,13 @@ def save(save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer
     extra["optimizer"] = {k: v for k, v in opt_state.items() if k != "chunks"}
     layout = {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "world_size": grid.world_size}
     # An async save copies the state while the next step's forward and backward run (they only
-    # read it); the loop calls wait_for_snapshot() before the optimizer step mutates it.
-    return save_checkpoint(save_dir, iteration, state, extra=extra, layout=layout, async_save=async_save,
-                           background_snapshot=async_save, keep_last=keep_last)
+    # read it); the loop calls saver.wait_for_snapshot() before the optimizer step mutates it.
+    return saver.save(save_dir, iteration, state, extra=extra, layout=layout, async_save=async_save,
+                      background_snapshot=async_save, keep_last=keep_last)
 
 
-def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid, *, load_optimizer: bool = True
-         ) -> dict[str, Any]:
+def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: ProcessGrid, *, load_optimizer: bool = True,
+         saver: CheckpointSaver | None = None) -> dict[str, Any]:
     """Load a checkpoint saved at any layout into this rank's model and optimizer (collective).
 
     Returns:
@@ -172,9 +172,9 @@ def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: Process
         opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=True)
         pieces.update(opt_pieces)
     main, tied = _split_tied(pieces)
-    extra = load_checkpoint(path, main)
+    extra = load_checkpoint(path, main, saver=saver)
     # Collective: every rank takes part, also those without a tied copy (an empty template).
-    load_checkpoint(path, tied, verify=False)
+    load_checkpoint(path, tied, verify=False, saver=saver)
     if load_optimizer:
         saved = extra.get("optimizer", {})
         opt_state.update({k: v for k, v in saved.items() if k in ("step", "param_groups", "loss_scaler")})

@@ -37,18 +37,20 @@ def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | 
     if stop is None:
         stop = SignalFlag(usr1_continues=config.checkpoint.on_signal == "save_and_continue").install()
     init_distributed(env)
+    from mg_ckpt import CheckpointError, CheckpointSaver
+
     try:
-        return _train(config, env, tokenizer, model_cfg, load_path, stop)
+        # Collective (creates the checkpoint group). Leaving the block waits for a background save and
+        # raises its error; when the run itself failed, that error is only a warning.
+        with CheckpointSaver() as saver:
+            return _train(config, env, tokenizer, model_cfg, load_path, stop, saver)
+    except CheckpointError as e:
+        raise TrainingError(f"checkpoint.save: {str(e).splitlines()[0]}") from None
     finally:
         if own_flag:
             stop.restore()
-        from mg_ckpt import finalize
-
-        try:
-            finalize()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def preflight(config: RunConfig, env: Env) -> tuple[Any, Any]:
@@ -91,7 +93,7 @@ def _resolve_load(config: RunConfig, resume: bool) -> str | None:
 
 
 def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None,
-           stop: SignalFlag) -> dict[str, Any]:
+           stop: SignalFlag, saver: Any) -> dict[str, Any]:
     """Build the run, then iterate: step, log, evaluate, save, and stop when every rank agrees to."""
     from mg_cli.training.metrics import MetricsLogger, report_start, step_record
     from mg_cli.training.policy import CheckpointPolicy, StopConditions
@@ -99,7 +101,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     from mg_cli.training.step import evaluate, train_step
     from mg_cli.training.throughput import peak_flops
 
-    run = build_run(config, env, tokenizer, model_cfg, load_path)
+    run = build_run(config, env, tokenizer, model_cfg, load_path, saver)
     t, start_iter = config.train, run.start_iter
     batches = run.data.train_iterator(start_iter * t.global_batch_size)
     valid = run.data.valid_batches() if config.eval.interval or config.eval.iters else None

@@ -60,7 +60,7 @@ class CheckpointPolicy:
             "model_config": run.model_config.to_dict(),
             "tokenizer_model": os.path.abspath(run.config.data.tokenizer_model),
         }
-        checkpointing.save(c.save, iteration, run.model, run.optimizer, run.grid, extra, async_save=c.async_,
+        checkpointing.save(run.saver, c.save, iteration, run.model, run.optimizer, run.grid, extra, async_save=c.async_,
                            keep_last=c.keep_last)
         self.saved_at = iteration
         self.message((f"{why}; saved" if why else "saved") + f" checkpoint {path}"

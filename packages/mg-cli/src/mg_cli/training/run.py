@@ -39,6 +39,8 @@ class Run:
     """Shape of the activations passed between pipeline stages."""
     flops_per_token: float
     """Model FLOPs of one training step per token counted in ``tokens_per_s``."""
+    saver: Any
+    """The ``mg_ckpt.CheckpointSaver``: pending background saves, staging buffers, the checkpoint group."""
     start_iter: int
     """Iterations already done (those of the loaded checkpoint); the run goes on at ``start_iter + 1``."""
 
@@ -51,7 +53,8 @@ class Run:
         return self.config.train.precision == "fp16"
 
 
-def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None) -> Run:
+def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None,
+              saver: Any) -> Run:
     """Build the grid, model, optimizer, schedule and data, and restore ``load_path`` if given.
 
     Raises:
@@ -73,7 +76,9 @@ def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_
     schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_iters=o.warmup_iters,
                           decay_iters=o.decay_iters if o.decay_iters is not None else t.iters,
                           style=o.decay_style, wsd_decay_fraction=o.wsd_decay_fraction)
-    start_iter = resume(load_path, config, env, grid, rng, model, optimizer) if load_path is not None else 0
+    start_iter = 0
+    if load_path is not None:
+        start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
     data = RunData(config, grid, tokenizer)
     seq = config.model.seq_length
     family, task = config.model.type, config.data.sentence_task
@@ -85,11 +90,12 @@ def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_
         dtype=PRECISION_DTYPES[t.precision],
         tensor_shape=(seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
         flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, recompute=p.recompute == "full"),
-        start_iter=start_iter,
+        saver=saver, start_iter=start_iter,
     )
 
 
-def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, model: list[Any], optimizer: Any) -> int:
+def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, model: list[Any], optimizer: Any,
+           saver: Any = None) -> int:
     """Restore model, optimizer and RNG streams from ``load_path``; returns the iterations it holds.
 
     At the layout that saved it every rank gets its own RNG streams back (the continuation is
@@ -104,7 +110,7 @@ def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, mod
     from mg_parallel.tensor_parallel import RNGTracker
 
     try:
-        state = checkpointing.load(load_path, model, optimizer, grid)
+        state = checkpointing.load(load_path, model, optimizer, grid, saver=saver)
     except CheckpointError as e:
         raise TrainingError(f"checkpoint.load: {e}") from None
     start_iter = int(state["iteration"])

@@ -35,7 +35,6 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
     Raises:
         TrainingError: a non-finite loss with fp32/bf16 (fp16 skips the step instead).
     """
-    from mg_ckpt import wait_for_snapshot
     from mg_parallel.pipeline import average_losses
 
     optimizer, grid = run.optimizer, run.grid
@@ -47,7 +46,7 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
     losses = run.forward_backward(run.forward_step, batches, run.model, run.num_micro, grid,
                                   tensor_shape=run.tensor_shape, dtype=run.dtype,
                                   scale_loss=optimizer.scale_loss if run.fp16 else None)
-    wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
+    run.saver.wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
     applied, grad_norm = optimizer.step()
     loss = float(average_losses(losses, grid))
     parts = {k: float(average_losses(losses, grid, key=k)) for k in run.logged_losses}
