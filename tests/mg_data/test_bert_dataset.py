@@ -268,3 +268,12 @@ def test_single_segment_mode_and_pickled_word_start_config(tmp_path):
     assert sorted(k for a, b, _ in bert.samples for k in range(a, b)) == list(range(len(ds)))
     with pytest.raises(ValueError, match="word_starts"):
         config(vocab, word_starts=np.ones(3, dtype=bool))
+
+
+def test_a_corpus_without_sentences_raises_its_own_error_class():
+    """Callers tell "not sentence-split" from other bad input by class (mg train adds how to make one)."""
+    from mg_data import NotSentenceSplitError
+
+    with pytest.raises(NotSentenceSplitError, match="sentence-split"):
+        build_bert_samples(np.array([30, 40]), np.array([0, 1, 2]), 0, max_num_tokens=61, short_seq_prob=0.1,
+                           min_sentences=2, num_samples=4, seed=0, shuffle=True)

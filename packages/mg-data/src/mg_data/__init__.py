@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from mg_data.bert_dataset import BertDataset, BertDatasetConfig, build_bert_datasets
+from mg_data.bert_dataset import BertDataset, BertDatasetConfig, NotSentenceSplitError, build_bert_datasets
 from mg_data.blended import BlendedDataset, build_blending_indices
 from mg_data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets, make_sample, parse_blend
 from mg_data.indexed import (
@@ -29,6 +29,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "IndexedDatasetError",
+    "NotSentenceSplitError",
     "PreprocessConfig",
     "PreprocessSummary",
     "ProgressInfo",

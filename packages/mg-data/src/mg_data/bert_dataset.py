@@ -20,6 +20,10 @@ _INDEX_VERSION = 1
 SENTENCE_TASKS = ("sop", "nsp", "none")
 
 
+class NotSentenceSplitError(ValueError):
+    """No document holds the sentences a sample needs: the dataset is not split into sentences."""
+
+
 @dataclass(kw_only=True)
 class BertDatasetConfig:
     """How BERT samples are grouped, paired, truncated, masked, split and cached."""
@@ -122,15 +126,15 @@ def build_bert_samples(sentence_lengths: np.ndarray, document_bounds: np.ndarray
         int64 array (K, 3): first sentence id, end sentence id (exclusive), target length.
 
     Raises:
-        ValueError: no document has ``min_sentences`` sentences.
+        NotSentenceSplitError: no document has ``min_sentences`` sentences.
     """
     rng = np.random.default_rng(seed)
     cum = np.concatenate(([0], np.cumsum(sentence_lengths, dtype=np.int64)))
     bounds = np.asarray(document_bounds, dtype=np.int64)
     usable = (bounds[1:] - bounds[:-1]) >= min_sentences
     if not usable.any():
-        raise ValueError(f"no document holds {min_sentences} sentences; BERT needs a sentence-split dataset "
-                         "(preprocess with split_sentences=True)")
+        raise NotSentenceSplitError(f"no document holds {min_sentences} sentences; BERT needs a sentence-split "
+                                    "dataset (preprocess with split_sentences=True)")
     epochs: list[np.ndarray] = []
     total = 0
     while not epochs or (num_samples is not None and total < num_samples):
@@ -207,8 +211,8 @@ class BertDataset:
                 return {"samples": build_bert_samples(lengths, bounds, s0, config.max_num_tokens,
                                                       config.short_seq_prob, config.min_sentences, num_samples,
                                                       config.seed, config.shuffle)}
-            except ValueError as e:
-                raise ValueError(f"{indexed.prefix} ({name} split, documents {d0}..{d1}): {e}") from None
+            except ValueError as e:  # the same error class, with the file and split it is about
+                raise type(e)(f"{indexed.prefix} ({name} split, documents {d0}..{d1}): {e}") from None
 
         arrays, self.built_index = cached_arrays(
             config.cache_dir, stem, key, ("samples",), build,

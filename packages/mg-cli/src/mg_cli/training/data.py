@@ -19,6 +19,7 @@ from mg_data import (
     BertDatasetConfig,
     GlobalBatchSampler,
     GPTDatasetConfig,
+    NotSentenceSplitError,
     T5DatasetConfig,
     build_bert_datasets,
     build_gpt_datasets,
@@ -69,12 +70,11 @@ class RunData:
         build = {"gpt": build_gpt_datasets, "bert": build_bert_datasets, "t5": build_t5_datasets}[config.model.type]
         try:
             self.train_ds, self.valid_ds, _ = build(self.ds_config, blend, wanted)
+        except NotSentenceSplitError as e:
+            raise TrainingError(f"data.path: {e}; make one with `mg preprocess --split-sentences ...` and set "
+                                f"data.path to its PREFIX_text_sentence output") from None
         except ValueError as e:
-            hint = ""
-            if "sentence-split" in str(e):
-                hint = ("; make one with `mg preprocess --split-sentences ...` and set data.path to its "
-                        "PREFIX_text_sentence output")
-            raise TrainingError(f"data.path: {e}{hint}") from None
+            raise TrainingError(f"data.path: {e}") from None
         if self.train_ds is None:
             raise TrainingError(f"data.split={d.split!r} gives the training split no documents; raise its weight")
         if len(self.train_ds) < gbs:
