@@ -14,13 +14,9 @@ from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
 from mg_parallel.pipeline import partition_layers
-from mg_parallel.precision import PRECISION_NAMES, Precision
+from mg_parallel.precision import Precision
 from mg_parallel.recompute import RecomputeConfig
 from mg_parallel.tensor_parallel import RNGTracker
-
-PRECISION_DTYPES = {name: Precision.from_name(name).param_dtype for name in PRECISION_NAMES}
-"""Model parameter dtype by ``train.precision``, derived from :class:`~mg_parallel.precision.Precision`
-(kept for callers that still index it; new code uses ``Precision.from_name(name).param_dtype``)."""
 
 
 def model_config(config: RunConfig, vocab_size: int) -> Any:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mg_ckpt import CheckpointSaver, ShardedTensor, load_checkpoint
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.tensor_parallel import shard_info
+from mg_parallel.tensor_parallel import is_tensor_parallel, shard_info
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
@@ -40,9 +40,9 @@ def _is_tied_copy(module: torch.nn.Module, name: str) -> bool:
             and not getattr(module, "pre_process", True))
 
 
-def _replicas(param: torch.Tensor, grid: ProcessGrid, dp_sharded: bool) -> tuple[int, int]:
-    """(replica_rank, num_replicas) of this rank's piece of ``param``."""
-    tp_sharded = getattr(param, "tensor_parallel", False)
+def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: bool) -> tuple[int, int]:
+    """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
+    tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
     rank, count = 0, 1
     if not dp_sharded:
         rank, count = grid.dp_rank, grid.dp_size
@@ -62,8 +62,8 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING
-            gshape, goffset = shard_info(param, grid)
-            r, n = _replicas(param, grid, dp_sharded=False)
+            gshape, goffset = shard_info(param, grid, name=name)
+            r, n = _replicas(param, name, grid, dp_sharded=False)
             if for_load:
                 r, n = 0, 1  # replica bookkeeping only matters when writing
             out[f"model/{key}" + ("#tied" if key != name else "")] = ShardedTensor(
@@ -92,8 +92,8 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING
-            gshape, goffset = shard_info(param, grid)
-            r, n = _replicas(param, grid, dp_sharded=distributed)
+            gshape, goffset = shard_info(param, grid, name=name)
+            r, n = _replicas(param, name, grid, dp_sharded=distributed)
             if for_load:
                 r, n = 0, 1
             lo = int(entry["flat_offset"])

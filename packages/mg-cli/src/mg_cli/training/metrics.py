@@ -109,7 +109,7 @@ def effective_settings(run: Any) -> dict[str, Any]:
     micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
     no_pipelining, 1f1b or interleaved).
     """
-    import torch
+    from mg_parallel.precision import PRECISION_NAMES, Precision
 
     inner = [getattr(chunk, "module", chunk) for chunk in run.model]
     ctx = inner[0].ctx
@@ -118,7 +118,7 @@ def effective_settings(run: Any) -> dict[str, Any]:
     if rc is not None and rc.granularity is not None:
         recompute = rc.granularity + (f":{rc.num_layers} layers" if rc.num_layers is not None else "")
     dtype = next(inner[0].parameters()).dtype
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    precision = next((n for n in PRECISION_NAMES if Precision.from_name(n).param_dtype == dtype), str(dtype))
     grid = run.grid
     return {
         "tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "vpp": len(inner),

@@ -60,11 +60,11 @@ def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_
     Raises:
         TrainingError: the checkpoint cannot be loaded (names the file), or the data is unusable.
     """
-    from mg_cli.training.build import PRECISION_DTYPES, build_model_chunks, wrap_and_build_optimizer
+    from mg_cli.training.build import build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
     from mg_cli.training.families import forward_step_for, logged_losses, step_flops_per_token
     from mg_cli.training.schedule import LRSchedule
-    from mg_parallel import ParallelDims, build_grid
+    from mg_parallel import ParallelDims, Precision, build_grid
     from mg_parallel.pipeline import get_forward_backward_func
     from mg_parallel.tensor_parallel import RNGTracker
 
@@ -87,7 +87,7 @@ def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_
         schedule=schedule, data=data,
         forward_backward=get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None),
         forward_step=forward_step_for(family, task), logged_losses=logged_losses(family, task),
-        dtype=PRECISION_DTYPES[t.precision],
+        dtype=Precision.from_name(t.precision).param_dtype,
         tensor_shape=(seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
         flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, recompute=p.recompute == "full"),
         saver=saver, start_iter=start_iter,
