@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -209,3 +210,38 @@ def test_sigusr1_saves_and_stops_by_default(corpus, tmp_path):
     assert_no_survivors(job)
     assert_clean_stop(job, out, "SIGUSR1")
     assert read_metrics(job.log)
+
+
+def test_slurm_tasks_save_and_stop_on_usr1(corpus, tmp_path):
+    """Slurm's way: `srun` starts every task itself (SLURM_PROCID/SLURM_NTASKS, no launcher) and
+    `--signal=USR1@90` signals every task; the job saves once and each task exits 0."""
+    log, ckpt, marker = tmp_path / "log", tmp_path / "ckpt", uuid.uuid4().hex
+    args = tiny_args(corpus, log, f"checkpoint.save={ckpt}", "parallel.tp=2", iters=1000)
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    tasks = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MG_RUN_ID": marker, "SLURM_PROCID": str(rank),
+               "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        tasks.append(subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((log / "metrics.jsonl").exists() and len(train_losses(log)) >= 3):
+            assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), "training never started"
+            time.sleep(0.2)
+        for t in tasks:
+            t.send_signal(signal.SIGUSR1)
+        outs = [t.communicate(timeout=60)[0] for t in tasks]
+    finally:
+        for pid in processes_with_marker(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    assert all("Traceback" not in out for out in outs), outs
+    stops = STOP_LINE.findall(outs[0])
+    assert len(stops) == 1 and stops[0][1] == "SIGUSR1", outs[0][-2000:]
+    assert not STOP_LINE.findall(outs[1])  # rank 1 prints nothing of its own
+    stopped_at = int(stops[0][0])
+    assert (ckpt / "latest").read_text().strip() == str(stopped_at)
+    assert read_checkpoint(ckpt / f"iter_{stopped_at:07d}", "model/")
