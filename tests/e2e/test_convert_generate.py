@@ -151,3 +151,20 @@ def test_convert_of_a_corrupt_checkpoint_is_one_line(tmp_path):
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and shard.name in lines[0], result.output
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_convert_to_a_layout_that_does_not_fit_is_one_line(arch, tmp_path):
+    """The layout check is the model's own (one place for every family), named after the --tp/--pp given."""
+    from click.testing import CliRunner
+
+    from mg_cli.main import cli
+
+    _tiny_hf_model(arch).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    result = CliRunner().invoke(cli, ["convert", "--from", "hf", "--input", str(tmp_path / "hf"), "--output",
+                                      str(tmp_path / "ckpt"), "--tp", "3"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: --tp 3 --pp 1: model.num_attention_heads=4 is not "
+                                                   "divisible by parallel.tp=3"), result.output
+    assert not (tmp_path / "ckpt").exists()

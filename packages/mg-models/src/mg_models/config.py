@@ -155,18 +155,24 @@ class GPTConfig:
         return cls(**d)
 
 
-def check_parallel(config: GPTConfig, tp: int, pp: int = 1) -> None:
-    """Check that a tp/pp layout fits ``config``.
+def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
+    """Check that a tp/pp layout fits ``config`` (a GPTConfig, BertConfig or T5Config): the one place it is checked.
 
     Raises:
-        ValueError: naming the config field that tp or pp does not divide.
+        ValueError: naming the config field that tp or pp does not divide, or pp > 1 for T5.
     """
-    checks = [
-        ("model.num_attention_heads", config.num_attention_heads),
-        ("model.num_query_groups", config.query_groups),
-        ("model.ffn_hidden_size", config.ffn_size),
-        ("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size),
-    ]
+    from mg_models.t5 import T5Config  # lazily: t5 imports this module
+
+    if isinstance(config, T5Config):
+        if pp > 1:
+            raise ValueError(f"pipeline parallelism (pp>1) is not supported for T5 (parallel.pp={pp}); "
+                             f"use tensor and data parallelism (pp=1)")
+        checks = [("model.num_attention_heads", config.num_attention_heads),
+                  ("model.ffn_hidden_size", config.ffn_hidden_size)]
+    else:
+        checks = [("model.num_attention_heads", config.num_attention_heads),
+                  ("model.num_query_groups", config.query_groups), ("model.ffn_hidden_size", config.ffn_size)]
+    checks.append(("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size))
     for what, value in checks:
         if value % tp != 0:
             raise ValueError(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mg_models.config import check_parallel
 from mg_models.init import normal_init
 from mg_models.layers import RMSNorm, TiedGradient, gelu_tanh, tied_embedding, tied_projection
 from mg_models.spec import BuildContext
@@ -373,15 +374,8 @@ class T5Model(nn.Module):
         if not isinstance(config, T5Config):
             raise ValueError(f"T5Model needs a T5Config, got {type(config).__name__}")
         grid = grid or ProcessGrid.single()
-        if grid.pp_size > 1:
-            raise ValueError(f"pipeline parallelism (pp>1) is not supported for T5 (parallel.pp={grid.pp_size}); "
-                             f"use tensor and data parallelism (pp=1)")
+        check_parallel(config, grid.tp_size, grid.pp_size)
         tp = grid.tp_size
-        for what, value in (("model.num_attention_heads", config.num_attention_heads),
-                            ("model.ffn_hidden_size", config.ffn_hidden_size),
-                            ("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size)):
-            if value % tp:
-                raise ValueError(f"{what}={value} is not divisible by parallel.tp={tp}; choose a tp that divides it")
         self.config, self.grid = config, grid
         self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=tp, tp_rank=grid.tp_rank, seed=seed,
                                 rng_tracker=rng_tracker, device=grid.device, dtype=dtype)

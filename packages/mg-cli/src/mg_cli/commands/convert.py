@@ -73,17 +73,13 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
         raise click.ClickException(str(e).splitlines()[0]) from None
 
 
-def _check_layout(config: Any, family: str, tp: int, pp: int) -> None:
-    if family == "t5":
-        if pp != 1:
-            raise ValueError(f"--pp {pp}: pipeline parallelism is not supported for T5; use --pp 1")
-        for what, value in (("num_heads", config.num_attention_heads), ("d_ff", config.ffn_hidden_size)):
-            if value % tp:
-                raise ValueError(f"config.json {what}={value} is not divisible by --tp {tp}; choose a tp that divides it")
-        return
+def _check_layout(config: Any, tp: int, pp: int) -> None:
     from mg_models.config import check_parallel
 
-    check_parallel(config, tp, pp)
+    try:
+        check_parallel(config, tp, pp)
+    except ValueError as e:
+        raise ValueError(f"--tp {tp} --pp {pp}: {e}") from None
 
 
 def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> None:
@@ -104,7 +100,7 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
     reader = HFSafetensorsReader(str(src))
     config, model_type = read_hf_config(src, reader.weight_map, reader.read)
     family = FAMILY_OF_MODEL_TYPE[model_type]
-    _check_layout(config, family, tp, pp)
+    _check_layout(config, tp, pp)
     groups = tensor_groups(config, model_type)
     needed = [n for g in groups for n in g.hf]
     missing = [n for n in needed if n not in reader.weight_map]
