@@ -104,9 +104,9 @@ def get_bert_config(name: str, **overrides: Any) -> BertConfig:
     Raises:
         ValueError: unknown preset (lists the valid ones) or an invalid override.
     """
-    if name not in BERT_PRESETS:
-        raise ValueError(f"unknown BERT preset {name!r}; choose one of {sorted(BERT_PRESETS)}")
-    return BertConfig(**{**BERT_PRESETS[name], **overrides})
+    from mg_models.presets import config_from_preset
+
+    return config_from_preset(BertConfig, BERT_PRESETS, name, "BERT", **overrides)
 
 
 class BertLayer(nn.Module):

@@ -1,13 +1,16 @@
-"""Ready-made model configurations by name (``get_config("gpt2-small")``)."""
+"""Ready-made model configurations by name (``get_config("gpt2-small")``).
+
+Every family's presets have one shape, ``{name: {config field: value}}`` (GPT here, BERT's in
+``bert.BERT_PRESETS``, T5's in ``t5.T5_PRESETS``), and one getter, :func:`config_from_preset`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from mg_models.config import GPTConfig
 
-__all__ = ["PRESETS", "get_config", "list_presets"]
+__all__ = ["PRESETS", "config_from_preset", "get_config", "list_presets"]
 
 
 def _gpt2(layers: int, hidden: int, heads: int) -> dict[str, Any]:
@@ -24,26 +27,39 @@ def _llama(layers: int, hidden: int, heads: int, ffn: int, *, groups: int | None
                 add_bias_linear=False, tie_word_embeddings=False, **extra)
 
 
-PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
-    "gpt2-small": lambda: _gpt2(12, 768, 12),
-    "gpt2-medium": lambda: _gpt2(24, 1024, 16),
-    "gpt2-large": lambda: _gpt2(36, 1280, 20),
-    "gpt2-xl": lambda: _gpt2(48, 1600, 25),
-    "llama-7b": lambda: _llama(32, 4096, 32, 11008),
-    "llama-13b": lambda: _llama(40, 5120, 40, 13824),
-    "llama-70b": lambda: _llama(80, 8192, 64, 28672, groups=8),
-    "llama3-8b": lambda: _llama(32, 4096, 32, 14336, groups=8, vocab=128256, max_pos=8192, base=500000.0),
-    "mistral-7b": lambda: _llama(32, 4096, 32, 14336, groups=8, max_pos=32768, sliding_window=4096),
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "gpt2-xl": _gpt2(48, 1600, 25),
+    "llama-7b": _llama(32, 4096, 32, 11008),
+    "llama-13b": _llama(40, 5120, 40, 13824),
+    "llama-70b": _llama(80, 8192, 64, 28672, groups=8),
+    "llama3-8b": _llama(32, 4096, 32, 14336, groups=8, vocab=128256, max_pos=8192, base=500000.0),
+    "mistral-7b": _llama(32, 4096, 32, 14336, groups=8, max_pos=32768, sliding_window=4096),
     # nanoGPT's character/BPE demo shape (~14M parameters with an 8192 vocabulary).
-    "gpt-14m": lambda: dict(num_layers=6, hidden_size=384, num_attention_heads=6, vocab_size=8192,
-                            max_position_embeddings=256, activation="gelu", add_bias_linear=False),
-    "gpt-30m": lambda: dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=8192,
-                            max_position_embeddings=256, activation="gelu", add_bias_linear=False),
+    "gpt-14m": dict(num_layers=6, hidden_size=384, num_attention_heads=6, vocab_size=8192,
+                    max_position_embeddings=256, activation="gelu", add_bias_linear=False),
+    "gpt-30m": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=8192,
+                    max_position_embeddings=256, activation="gelu", add_bias_linear=False),
     # Tiny shapes for tests and the demo.
-    "tiny-gpt2": lambda: dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
-                              max_position_embeddings=128, activation="gelu_tanh"),
-    "tiny-llama": lambda: _llama(2, 64, 4, 160, groups=2, vocab=512, max_pos=128),
+    "tiny-gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                      max_position_embeddings=128, activation="gelu_tanh"),
+    "tiny-llama": _llama(2, 64, 4, 160, groups=2, vocab=512, max_pos=128),
 }
+"""GPT shapes by name (fields of :class:`GPTConfig`)."""
+
+
+def config_from_preset(cls: type, presets: dict[str, dict[str, Any]], name: str, kind: str, **overrides: Any) -> Any:
+    """``cls(**presets[name], **overrides)``: a family's preset as its config dataclass.
+
+    Raises:
+        ValueError: unknown preset (``kind`` names the family in the message, which lists the valid
+            names) or an invalid override (from the dataclass's own validation).
+    """
+    if name not in presets:
+        raise ValueError(f"unknown {kind} preset {name!r}; choose one of {sorted(presets)}")
+    return cls(**{**presets[name], **overrides})
 
 
 def list_presets() -> list[str]:
@@ -57,6 +73,4 @@ def get_config(name: str, **overrides: Any) -> GPTConfig:
     Raises:
         ValueError: unknown preset name (lists the valid ones) or an invalid override.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {list_presets()}")
-    return GPTConfig(**{**PRESETS[name](), **overrides})
+    return config_from_preset(GPTConfig, PRESETS, name, "model", **overrides)

@@ -152,9 +152,9 @@ def get_t5_config(name: str, **overrides: Any) -> T5Config:
     Raises:
         ValueError: unknown preset (lists the valid ones) or an invalid override.
     """
-    if name not in T5_PRESETS:
-        raise ValueError(f"unknown T5 preset {name!r}; choose one of {sorted(T5_PRESETS)}")
-    return T5Config(**{**T5_PRESETS[name], **overrides})
+    from mg_models.presets import config_from_preset
+
+    return config_from_preset(T5Config, T5_PRESETS, name, "T5", **overrides)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,

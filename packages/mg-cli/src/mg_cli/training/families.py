@@ -75,7 +75,7 @@ def gpt_model_config(config: RunConfig, vocab_size: int) -> Any:
     if m.preset is not None:
         if m.preset not in PRESETS:
             raise TrainingError(f"model.preset={m.preset!r} is unknown; choose one of {sorted(PRESETS)}")
-        fields.update(PRESETS[m.preset]())
+        fields.update(PRESETS[m.preset])
     fields.update(_explicit(config, _GPT_KEYS))
     _require_shape(fields)
     return _construct(GPTConfig, _with_run_fields(fields, config, vocab_size))
