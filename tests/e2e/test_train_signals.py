@@ -80,6 +80,17 @@ class Job:
                 return pid
         raise AssertionError(f"no {target} process found for the job")
 
+    def stop_with(self, sig: int, target: str = "wrapper", *, after: int = 3, timeout: float = 60) -> tuple[int, float]:
+        """Send ``sig`` to ``target`` once ``after`` iterations are logged; ``(exit code, seconds to exit)``."""
+        try:
+            self.wait_for_iterations(after)
+            os.kill(self.pid_of(target), sig)
+            start = time.monotonic()
+            code = self.finish(timeout=timeout)
+            return code, time.monotonic() - start
+        finally:
+            self.kill()
+
     def finish(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -133,14 +144,7 @@ def test_sigterm_saves_stops_and_resumes_exactly(layout, target, corpus, layout_
     ref_log, _, _ = layout_runs.get(nproc, sets)
     ref = train_losses(ref_log)
     job = Job(corpus, tmp_path, nproc, sets)
-    try:
-        job.wait_for_iterations(3)
-        os.kill(job.pid_of(target), signal.SIGTERM)
-        start = time.monotonic()
-        code = job.finish(timeout=60)
-        took = time.monotonic() - start
-    finally:
-        job.kill()
+    code, took = job.stop_with(signal.SIGTERM, target)
     out = job.output()
     assert code == 0, out[-3000:]
     assert took < 60
@@ -199,12 +203,7 @@ def test_sigusr1_save_and_continue_then_sigint_stops(corpus, tmp_path):
 
 def test_sigusr1_saves_and_stops_by_default(corpus, tmp_path):
     job = Job(corpus, tmp_path, 2, ("parallel.tp=2",))
-    try:
-        job.wait_for_iterations(3)
-        os.kill(job.proc.pid, signal.SIGUSR1)
-        code = job.finish(timeout=60)
-    finally:
-        job.kill()
+    code, _ = job.stop_with(signal.SIGUSR1)
     out = job.output()
     assert code == 0, out[-3000:]
     assert_no_survivors(job)

@@ -135,13 +135,12 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
             decision = stops.check()
             if iteration >= t.iters:
                 break  # the end-of-run save below
-            why = StopConditions.describe(decision, iteration, t.exit_after_minutes)
             if decision.request == STOP or decision.timed_out:
-                path = checkpoints.save(iteration, why)
+                path = checkpoints.save(iteration, StopConditions.describe(decision, iteration, t.exit_after_minutes))
                 summary = {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": True}
                 return {**summary, "signal": decision.signum, "saved": path} if decision.request == STOP else summary
             if decision.request == SAVE:
-                checkpoints.save(iteration, why)
+                checkpoints.save(iteration, StopConditions.describe(decision, iteration, t.exit_after_minutes))
         if valid and iteration > start_iter and (config.eval.interval == 0 or iteration % config.eval.interval != 0):
             last_val = validate(iteration)
         if iteration > start_iter:
