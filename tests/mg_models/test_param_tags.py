@@ -16,6 +16,10 @@ CASES = {
     "bert": lambda: BertModel(get_bert_config("tiny-bert")),
     "bert-pre-ln-last-stage": lambda: BertModel(get_bert_config("tiny-bert", pre_layernorm=True), pre_process=False,
                                                 layer_range=(1, 2)),
+    "gpt2-classification": lambda: GPTModel(get_config("tiny-gpt2", head="classification", num_labels=3)),
+    "llama-classification-last-stage": lambda: GPTModel(get_config("tiny-llama", head="classification"),
+                                                        pre_process=False, layer_range=(1, 2)),
+    "bert-classification": lambda: BertModel(get_bert_config("tiny-bert", head="classification", num_labels=1)),
     "t5": lambda: T5Model(get_t5_config("tiny-t5")),
     "t5-untied": lambda: T5Model(get_t5_config("tiny-t5", tie_word_embeddings=False)),
 }

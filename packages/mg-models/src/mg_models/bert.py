@@ -27,6 +27,7 @@ from torch import nn
 
 from mg_models.config import GPTConfig
 from mg_models.gpt import WORD_EMBEDDING, ParallelLMHead
+from mg_models.heads import classification_loss, full_sequence, replicated_linear
 from mg_models.init import normal_init
 from mg_models.layers import (
     MLP,
@@ -70,7 +71,9 @@ class BertConfig(GPTConfig):
     pre_layernorm: bool = False
     """Pre-LN layers with a final LayerNorm (and no embedding LayerNorm) instead of BERT's post-LN."""
     add_binary_head: bool = True
-    """Build the pooler and the 2-way binary head (next-sentence / sentence-order prediction)."""
+    """Build the pooler and the 2-way binary head (next-sentence / sentence-order prediction) beside the MLM head."""
+    classifier_dropout: float | None = None
+    """Dropout on the pooled output before the classification head's classifier; None means hidden_dropout."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +89,8 @@ class BertConfig(GPTConfig):
             raise ValueError("model.sliding_window and model.qk_layernorm are not used by BERT; leave them unset")
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
             raise ValueError(f"model.type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            raise ValueError(f"model.classifier_dropout={self.classifier_dropout} must be in [0, 1) or None")
 
 
 BERT_PRESETS: dict[str, dict[str, Any]] = {
@@ -189,16 +194,6 @@ class BertEmbedding(nn.Module):
         return x
 
 
-def _replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int) -> nn.Linear:
-    """An nn.Linear (same on every tp rank): weight N(0, std) seeded by its global name, bias 0."""
-    layer = nn.Linear(n_in, n_out, dtype=ctx.dtype, device=ctx.device)
-    normal_init(ctx.seed, f"{name}.weight", ctx.config.init_method_std)(layer.weight)
-    with torch.no_grad():
-        layer.bias.zero_()
-    mark_replicated(layer)
-    return layer
-
-
 class BertLMHead(nn.Module):
     """The MLM transform (dense -> gelu -> LayerNorm) and the vocabulary-sharded output ``bias`` [V_pad/tp]."""
 
@@ -206,7 +201,7 @@ class BertLMHead(nn.Module):
         super().__init__()
         c = ctx.config
         self.activation = gelu_tanh if c.activation == "gelu_tanh" else F.gelu
-        self.dense = _replicated_linear(ctx, "lm_head.dense", c.hidden_size, c.hidden_size)
+        self.dense = replicated_linear(ctx, "lm_head.dense", c.hidden_size, c.hidden_size)
         self.layernorm = LayerNorm(ctx, "lm_head.layernorm")
         # Under sequence parallelism both act on this rank's sequence chunk: partial grads.
         ctx.mark_partial_grads(self.dense, ctx.sequence_parallel)
@@ -227,7 +222,8 @@ class BertModel(PipelineStageModel):
         config: the architecture (a :class:`BertConfig`).
         grid, pre_process, layer_range, sequence_parallel, seed, rng_tracker, recompute, dtype: as for
             :class:`~mg_models.stage.PipelineStageModel`.
-        post_process: this chunk holds the MLM and binary heads (last pipeline stage).
+        post_process: this chunk holds the heads (last pipeline stage): MLM and binary, or (``head="classification"``)
+            pooler and classifier.
 
     Raises:
         ValueError: ``config`` is not a BertConfig, the layout does not fit it (names the field), or a bad
@@ -247,21 +243,25 @@ class BertModel(PipelineStageModel):
         spec = gpt_layer_spec(self.ctx) if config.pre_layernorm else ModuleSpec(BertLayer)
         self.encoder = TransformerBlock(self.ctx, "encoder", self.layer_range,
                                         post_process and config.pre_layernorm, spec)
-        self.lm_head = self.output_layer = self.pooler = self.binary_head = None
-        if post_process:
+        self.lm_head = self.output_layer = self.pooler = self.binary_head = self.classifier = None
+        if post_process and not config.has_lm_head:
+            self.pooler = replicated_linear(self.ctx, "pooler", config.hidden_size, config.hidden_size)
+            self.classifier = replicated_linear(self.ctx, "classifier", config.hidden_size, config.num_labels)
+        elif post_process:
             self.lm_head = BertLMHead(self.ctx)
             # The last stage of a pipeline owns a copy of the tied word embedding (Megatron's scheme).
             self.output_layer = ParallelLMHead(self.ctx, None if pre_process else WORD_EMBEDDING)
             if not pre_process:
                 self.output_layer.weight.shared_embedding = True
             if config.add_binary_head:
-                self.pooler = _replicated_linear(self.ctx, "pooler", config.hidden_size, config.hidden_size)
-                self.binary_head = _replicated_linear(self.ctx, "binary_head", config.hidden_size, 2)
-        if pre_process:
+                self.pooler = replicated_linear(self.ctx, "pooler", config.hidden_size, config.hidden_size)
+                self.binary_head = replicated_linear(self.ctx, "binary_head", config.hidden_size, 2)
+        if pre_process and config.has_lm_head:
             self.embedding.word_embeddings.weight.shared_embedding = True
 
     def forward(self, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *, lm_labels: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
                 gather_logits: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Run this chunk.
 
@@ -272,19 +272,26 @@ class BertModel(PipelineStageModel):
             lm_labels: MLM targets [b, s] (-100 = not masked). When given, the MLM output is the per-token
                 loss [b, s] (fp32, 0 at ignored positions) instead of logits; only the labelled positions are
                 projected onto the vocabulary.
+            labels: classification head only: class ids [b] (or float targets, see
+                :func:`~mg_models.heads.classification_loss`); the output is then the per-sample loss [b].
             gather_logits: return full MLM logits [b, s, vocab_size] instead of this rank's shard
                 [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
 
         Returns:
             Non-last stages: hidden [s(/tp), b, h]. Last stage: ``(mlm_logits_or_loss, binary_logits)`` where
-            binary_logits is [b, 2] (None without the binary head).
+            binary_logits is [b, 2] (None without the binary head). Classification head: logits [b, num_labels]
+            from the pooled [CLS], or the loss [b] with ``labels``.
+
+        Raises:
+            ValueError: an ``attention_mask`` or labels of the wrong shape, a sequence too long, or token types
+                without a token-type embedding.
         """
         c = self.config
         b, s = self._batch_and_seq(input_ids)
         if s > c.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={c.max_position_embeddings}")
         tied = None
-        if self.pre_process and self.post_process and self.ctx.tp_size == 1 and torch.is_grad_enabled():
+        if self.pre_process and self.lm_head is not None and self.ctx.tp_size == 1 and torch.is_grad_enabled():
             tied = TiedGradient()  # embedding and MLM projection share one weight here: one [V, h] gradient
         x = self.embedding(input_ids, token_type_ids, tied) if self.pre_process else self.input_tensor
         if attention_mask is not None:
@@ -298,13 +305,11 @@ class BertModel(PipelineStageModel):
         x = self.encoder(x, None, mask, None)
         if not self.post_process:
             return x
+        if self.classifier is not None:
+            return self._classify(x, labels)
         binary = None
         if self.binary_head is not None:
-            full = x
-            if self.ctx.sequence_parallel:
-                # The pooler runs replicated, so backward just keeps this rank's chunk (no reduce-scatter).
-                full = gather_from_sequence_parallel_region(x, self.ctx.tp_group, tensor_parallel_output_grad=False)
-            binary = self.binary_head(torch.tanh(self.pooler(full[0])))  # [b, 2]
+            binary = self.binary_head(self._pooled(x))  # [b, 2]
         weight = self.embedding.word_embeddings.weight if self.pre_process else None
         if lm_labels is not None:
             return self._masked_lm_loss(x, lm_labels, weight, tied), binary
@@ -316,6 +321,20 @@ class BertModel(PipelineStageModel):
         if gather_logits if gather_logits is not None else self.gather_logits_default:
             logits = gather_from_tp_region(logits.contiguous(), self.ctx.tp_group)[..., : c.vocab_size]
         return logits, binary
+
+    def _pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """The tanh pooler on [CLS] (position 0): x [s(/tp), b, h] -> [b, h], replicated over tp."""
+        return torch.tanh(self.pooler(full_sequence(self.ctx, x)[0]))
+
+    def _classify(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Classification logits [b, num_labels] from the pooled [CLS], or the per-sample loss [b] with ``labels``."""
+        pooled = self._pooled(x)
+        c = self.config
+        dropout = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
+        if self.training and dropout > 0:
+            pooled = F.dropout(pooled, dropout, training=True)  # replicated: the same mask on every tp rank
+        logits = self.classifier(pooled)
+        return classification_loss(logits, labels) if labels is not None else logits
 
     def _masked_lm_loss(self, x: torch.Tensor, lm_labels: torch.Tensor, weight: torch.Tensor | None,
                         tied: TiedGradient | None) -> torch.Tensor:

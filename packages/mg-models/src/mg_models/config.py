@@ -15,6 +15,7 @@ __all__ = ["GPTConfig", "check_parallel"]
 _POSITION_EMBEDDINGS = ("learned", "rope", "none")
 _NORMALIZATIONS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+_HEADS = ("lm", "classification")
 
 
 @dataclass(kw_only=True)
@@ -69,10 +70,16 @@ class GPTConfig:
     """Scale output-projection init by 1/sqrt(2*num_layers) (GPT-2/Megatron)."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this; tp must divide the padded size."""
+    head: str = "lm"
+    """"lm" (logits over the vocabulary) or "classification" (num_labels logits per sequence: GPT scores its last
+    non-padding token, BERT its pooled [CLS]; see mg_models.heads). Without an LM head, tie_word_embeddings
+    and BERT's add_binary_head have no effect."""
+    num_labels: int = 2
+    """Classes of the classification head (1 = regression, trained with a squared-error loss); unused by "lm"."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                     "make_vocab_size_divisible_by"):
+                     "make_vocab_size_divisible_by", "num_labels"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
@@ -97,6 +104,8 @@ class GPTConfig:
             raise ValueError(f"model.normalization={self.normalization!r}; use one of {_NORMALIZATIONS}")
         if self.activation not in _ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r}; use one of {_ACTIVATIONS}")
+        if self.head not in _HEADS:
+            raise ValueError(f"model.head={self.head!r}; use one of {_HEADS}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
         if self.position_embedding == "rope" and self.rotary_dim % 2 != 0:
@@ -134,6 +143,11 @@ class GPTConfig:
     def qkv_bias(self) -> bool:
         """Whether the fused QKV projection has a bias."""
         return self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the model ends in the vocabulary projection (head "lm") rather than a classification head."""
+        return self.head == "lm"
 
     @property
     def padded_vocab_size(self) -> int:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.config import GPTConfig
+from mg_models.heads import classification_loss, full_sequence, last_token_hidden, replicated_linear
 from mg_models.init import normal_init
 from mg_models.layers import RotaryEmbedding
 from mg_models.spec import BuildContext, ModuleSpec
@@ -40,7 +41,7 @@ from mg_parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask"]
+__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask", "document_position_ids"]
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -105,16 +106,21 @@ class ParallelLMHead(nn.Module):
 
 
 def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: torch.Tensor | None,
-                         sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+                         sliding_window: int | None, device: torch.device,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Boolean attention mask [b, 1, q_len, offset + q_len] (True = attend), or None when plain causal works.
 
     Queries are at positions ``offset .. offset+q_len-1``; ``attention_mask`` [b, offset+q_len]
-    marks real (1) and padding (0) keys. Every query may attend to itself, so padded rows never
-    see an empty softmax (their outputs are ignored).
+    marks real (1) and padding (0) keys; ``document_ids`` [b, offset+q_len] (packed sequences) lets a
+    query see only the keys of its own document. Every query may attend to itself, so padded rows
+    never see an empty softmax (their outputs are ignored).
+
+    Raises:
+        ValueError: ``attention_mask`` or ``document_ids`` is not [batch, cached + new tokens].
     """
     k_len = offset + q_len
     needs_window = sliding_window is not None and k_len > sliding_window
-    if attention_mask is None and not needs_window and (offset == 0 or q_len == 1):
+    if attention_mask is None and document_ids is None and not needs_window and (offset == 0 or q_len == 1):
         return None
     q_pos = torch.arange(offset, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
@@ -122,12 +128,29 @@ def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: to
     if needs_window:
         allowed = allowed & (q_pos - k_pos < sliding_window)
     allowed = allowed[None, None].expand(batch, 1, q_len, k_len)
+    for name, per_key in (("attention_mask", attention_mask), ("document_ids", document_ids)):
+        if per_key is not None and per_key.shape != (batch, k_len):
+            raise ValueError(f"{name} has shape {tuple(per_key.shape)}, expected [batch, cached + new tokens] = "
+                             f"[{batch}, {k_len}]")
     if attention_mask is not None:
-        if attention_mask.shape != (batch, k_len):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected [batch, "
-                             f"cached + new tokens] = [{batch}, {k_len}]")
         allowed = allowed & attention_mask.bool()[:, None, None, :]
+    if document_ids is not None:
+        same_document = document_ids[:, offset:, None] == document_ids[:, None, :]  # [b, q_len, k_len]
+        allowed = allowed & same_document[:, None]
     return allowed | (k_pos == q_pos)[None, None]
+
+
+def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where the document id changes: document_ids [b, s] -> position_ids [b, s].
+
+    Documents are contiguous runs of equal ids (as a packed sequence lays them out).
+    """
+    s = document_ids.shape[-1]
+    index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values  # start of each token's document
+    return index - first
 
 
 class GPTModel(PipelineStageModel):
@@ -159,14 +182,16 @@ class GPTModel(PipelineStageModel):
         if config.position_embedding == "rope":
             self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base, device=grid.device)
         self.decoder = TransformerBlock(self.ctx, "decoder", self.layer_range, post_process, layer_spec)
-        self.output_layer = None
-        if post_process:
-            tied_here = config.tie_word_embeddings and pre_process
-            init_name = None if tied_here else (WORD_EMBEDDING if config.tie_word_embeddings else "output_layer.weight")
+        self.output_layer = self.score = None
+        tied = config.tie_word_embeddings and config.has_lm_head
+        if post_process and config.has_lm_head:
+            init_name = None if tied and pre_process else (WORD_EMBEDDING if tied else "output_layer.weight")
             self.output_layer = ParallelLMHead(self.ctx, init_name)
-            if config.tie_word_embeddings and not pre_process:
+            if tied and not pre_process:
                 self.output_layer.weight.shared_embedding = True
-        if config.tie_word_embeddings and pre_process:
+        elif post_process:
+            self.score = replicated_linear(self.ctx, "score", config.hidden_size, config.num_labels, bias=False)
+        if tied and pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
 
     def word_embeddings_weight(self) -> torch.Tensor:
@@ -177,23 +202,32 @@ class GPTModel(PipelineStageModel):
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
-                gather_logits: bool | None = None, inference_cache: Any = None,
-                last_token_only: bool = False) -> torch.Tensor:
-        """Run this chunk.
+                document_ids: torch.Tensor | None = None, gather_logits: bool | None = None,
+                inference_cache: Any = None, last_token_only: bool = False) -> torch.Tensor:
+        """Run this chunk (every pipeline stage takes the same position_ids, attention_mask and document_ids).
 
         Args:
             input_ids: token ids [b, s] (needed on the first stage; elsewhere used for shapes only).
-            position_ids: [b, s]; default ``offset + arange(s)``, or from ``attention_mask`` (left padding).
-            labels: target ids [b, s] (-100 = ignore). When given, the last stage returns the per-token
-                loss [b, s] (fp32; padded vocabulary masked out).
+            position_ids: [b, s]; default ``offset + arange(s)``, from ``attention_mask`` (left padding), or
+                restarting at 0 per document of ``document_ids``.
+            labels: LM head: target ids [b, s] (-100 = ignore); the last stage returns the per-token loss
+                [b, s] (fp32; padded vocabulary masked out). Classification head: class ids [b] (or float
+                targets, see :func:`~mg_models.heads.classification_loss`); the last stage returns the
+                per-sample loss [b].
             attention_mask: [b, offset + s] with 1 for real tokens and 0 for padding; None = no padding.
+            document_ids: [b, offset + s] document of each token of packed sequences (contiguous runs of
+                equal ids): a token attends only to earlier tokens of its own document.
             gather_logits: return full-vocabulary logits [b, s, vocab_size] (unpadded) instead of this
                 rank's shard [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
             inference_cache: an :class:`~mg_models.generation.InferenceCache` for incremental decoding.
             last_token_only: compute logits for the last position only (s = 1 in the result).
 
         Returns:
-            Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above).
+            Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above); with the
+            classification head, logits [b, num_labels] of each sequence's last non-padding token, or loss [b].
+
+        Raises:
+            ValueError: a mask, document ids or labels of the wrong shape, or a sequence too long.
         """
         c = self.config
         b, s = self._batch_and_seq(input_ids)
@@ -203,18 +237,24 @@ class GPTModel(PipelineStageModel):
                              f"{c.max_position_embeddings}")
         device = self.grid.device
         if position_ids is None:
-            if attention_mask is not None:
+            if document_ids is not None:
+                position_ids = document_position_ids(document_ids)[:, offset:offset + s]
+            elif attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:offset + s]
             else:
                 position_ids = torch.arange(offset, offset + s, device=device).expand(b, s)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device)
+        mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device, document_ids)
         x = self.decoder(x, rotary, mask, inference_cache)
         if inference_cache is not None:
             inference_cache.advance(s, last_stage=self.post_process)
         if not self.post_process:
             return x
+        if self.score is not None:
+            mask = attention_mask[:, offset:] if attention_mask is not None else None
+            logits = self.score(last_token_hidden(full_sequence(self.ctx, x), mask))  # [b, num_labels]
+            return classification_loss(logits, labels) if labels is not None else logits
         weight = self.embedding.word_embeddings.weight if not hasattr(self.output_layer, "weight") else None
         if last_token_only and not self.ctx.sequence_parallel:
             x = x[-1:]
