@@ -7,6 +7,10 @@ datasets under ``OUTPUT_PREFIX.parts-<fingerprint>/`` and marks each one complet
 ``OUTPUT_PREFIX_{key}_{document|sentence}.bin/.idx``. A rerun after a crash skips partitions that
 already have their marker, so the output is byte-identical whatever ``workers`` is and however
 often the run was interrupted.
+
+``format="sft"`` reads conversations instead (see ``mg_data.sft``) and writes
+``OUTPUT_PREFIX_text_document`` and ``OUTPUT_PREFIX_loss_mask_document`` (uint8), one sequence
+per conversation, with identical lengths.
 """
 
 from __future__ import annotations
@@ -39,11 +43,22 @@ from mg_data.jsonl import (
     stream_chunks,
 )
 from mg_data.sentences import get_splitter
+from mg_data.sft import (
+    ON_LONG,
+    BadConversationError,
+    ChatTemplateError,
+    fit_length,
+    load_chat_template,
+    parse_conversation,
+    tokenize_rendered,
+    too_long_reason,
+)
 from mg_data.tokenizers import Tokenizer, TokenizerSpec
 
 _FORMAT_VERSION = 1
 _MAX_EXAMPLES = 10
 _BATCH_CHARS = 1 << 22  # tokenize ~4M characters at a time so token lists stay small
+_SFT_BATCH = 1024  # conversations tokenised per call
 
 
 @dataclass(kw_only=True)
@@ -82,6 +97,14 @@ class PreprocessConfig:
     start_method: str | None = None
     """Worker start method: ``fork`` or ``spawn``; None picks ``fork`` when this process runs a
     single Python thread on Linux (fast start), else ``spawn``."""
+    format: str = "text"
+    """``text`` (documents under json_keys) or ``sft`` (conversations: tokens + loss-mask outputs)."""
+    chat_template: str = "auto"
+    """SFT only: ``auto``, ``chatml``, ``tokenizer`` or a ``.jinja`` file (see ``load_chat_template``)."""
+    seq_length: int | None = None
+    """SFT only: the training sequence length; a conversation fits with at most seq_length + 1 tokens."""
+    on_long: str = "error"
+    """SFT only: a conversation over seq_length + 1 tokens: ``error``, ``truncate`` or ``drop``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
@@ -103,6 +126,18 @@ class PreprocessConfig:
         if self.tokenizer_model is None and (self.tokenizer_type or "").lower() not in (
                 "nulltokenizer", "null", "bytetokenizer", "byte"):
             raise ValueError("tokenizer_model is required unless tokenizer_type is NullTokenizer/ByteTokenizer")
+        if self.format not in ("text", "sft"):
+            raise ValueError(f"format must be 'text' or 'sft', got {self.format!r}")
+        if self.on_long not in ON_LONG:
+            raise ValueError(f"on_long must be one of {', '.join(ON_LONG)}, got {self.on_long!r}")
+        if self.seq_length is not None and self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
+        if self.format == "sft":
+            if self.split_sentences or self.append_eod:
+                raise ValueError("split_sentences and append_eod do not apply to format=sft "
+                                 "(the chat template ends every turn)")
+            if list(self.json_keys) != ["text"]:
+                raise ValueError("json_keys do not apply to format=sft (lines hold messages or prompt/completion)")
 
     @property
     def level(self) -> str:
@@ -110,8 +145,13 @@ class PreprocessConfig:
         return "sentence" if self.split_sentences else "document"
 
     def output_prefixes(self) -> dict[str, str]:
-        """Output prefix of each JSON key."""
-        return {k: f"{self.output_prefix}_{k}_{self.level}" for k in self.json_keys}
+        """Output prefix of each JSON key (SFT: of ``text`` and ``loss_mask``)."""
+        keys = ("text", "loss_mask") if self.format == "sft" else self.json_keys
+        return {k: f"{self.output_prefix}_{k}_{self.level}" for k in keys}
+
+    def output_dtype(self, key: str, vocab_size: int) -> np.dtype[Any]:
+        """Stored dtype of output ``key``: the token dtype, uint8 for the SFT loss mask."""
+        return np.dtype(np.uint8 if self.format == "sft" and key == "loss_mask" else optimal_dtype(vocab_size))
 
     def tokenizer_spec(self) -> TokenizerSpec:
         """Picklable recipe of the tokenizer (rebuilt in each worker)."""
@@ -148,13 +188,17 @@ class PreprocessSummary:
     documents: int = 0
     """Input lines parsed into documents (each key's empty ones are then dropped: empty_documents)."""
     tokens: dict[str, int] = field(default_factory=dict)
-    """Tokens written per key."""
+    """Tokens written per key (SFT: ``loss_mask`` counts the tokens in the loss)."""
     empty_documents: dict[str, int] = field(default_factory=dict)
     """Documents dropped per key because they produced no tokens."""
     bad_lines: int = 0
     """Lines skipped with ``skip_bad_lines``."""
     bad_line_examples: list[str] = field(default_factory=list)
     """``file:line: reason`` of the first few bad lines."""
+    truncated: int = 0
+    """SFT: conversations cut to seq_length + 1 tokens (``on_long="truncate"``) and kept."""
+    dropped: int = 0
+    """SFT: conversations left out (too long with ``on_long="drop"``, or without a loss token)."""
     blank_lines: int = 0
     """Whitespace-only lines (skipped)."""
     input_bytes: int = 0
@@ -190,7 +234,9 @@ def _load_tokenizer(config: PreprocessConfig) -> Tokenizer:
 def _init_worker(config: PreprocessConfig, parts_dir: str, tok: Tokenizer | None = None) -> None:
     tok = tok or _load_tokenizer(config)
     _STATE.update(config=config, tok=tok, parts_dir=parts_dir, dtype=optimal_dtype(tok.vocab_size),
-                  splitter=get_splitter(config.sentence_splitter) if config.split_sentences else None)
+                  splitter=get_splitter(config.sentence_splitter) if config.split_sentences else None,
+                  template=load_chat_template(config.chat_template, config.tokenizer_model)
+                  if config.format == "sft" else None)
 
 
 def _part_prefix(parts_dir: str, index: int, key: str, level: str) -> str:
@@ -256,10 +302,13 @@ def _process(task: _Task) -> dict[str, Any]:
     lines = data.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
+    keys = list(cfg.output_prefixes())
     stats: dict[str, Any] = {"index": task.index, "path": task.path, "start": task.start,
                              "line_base": task.line_base, "documents": 0, "bytes": len(data),
-                             "bad_lines": 0, "bad": [], "blank_lines": 0,
-                             "tokens": {k: 0 for k in cfg.json_keys}, "empty": {k: 0 for k in cfg.json_keys}}
+                             "bad_lines": 0, "bad": [], "blank_lines": 0, "truncated": 0, "dropped": 0,
+                             "tokens": {k: 0 for k in keys}, "empty": {k: 0 for k in keys}}
+    if cfg.format == "sft":
+        return _process_sft(task, lines, stats)
     columns: list[list[str]] = [[] for _ in cfg.json_keys]
     for rel, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -268,12 +317,8 @@ def _process(task: _Task) -> dict[str, Any]:
         try:
             values = parse_line(raw, cfg.json_keys, task.path, None)
         except BadLineError as e:
-            if not cfg.skip_bad_lines:
-                stats["error"] = (rel, e.reason)
+            if _bad(stats, rel, e.reason):
                 return stats
-            stats["bad_lines"] += 1
-            if len(stats["bad"]) < _MAX_EXAMPLES:
-                stats["bad"].append((rel, e.reason))
             continue
         for col, v in zip(columns, values):
             col.append(v)
@@ -297,11 +342,71 @@ def _process(task: _Task) -> dict[str, Any]:
                 n, e = _write_batch(builder, tok, batch, cfg, _STATE["splitter"])
                 stats["tokens"][key] += n
                 stats["empty"][key] += e
-    marker = _marker(parts_dir, task.index)
+    return _mark_done(parts_dir, task.index, stats)
+
+
+def _mark_done(parts_dir: str, index: int, stats: dict[str, Any]) -> dict[str, Any]:
+    marker = _marker(parts_dir, index)
     with open(marker + ".tmp", "w") as f:
         json.dump(stats, f)
     os.replace(marker + ".tmp", marker)
     return stats
+
+
+def _bad(stats: dict[str, Any], rel: int, reason: str, skippable: bool = True) -> bool:
+    """Record a bad line; True when the partition must stop (the line is not skipped)."""
+    if not (skippable and _STATE["config"].skip_bad_lines):
+        stats["error"] = (rel, reason)
+        return True
+    stats["bad_lines"] += 1
+    if len(stats["bad"]) < _MAX_EXAMPLES:
+        stats["bad"].append((rel, reason))
+    return False
+
+
+def _process_sft(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict[str, Any]:
+    """Render and tokenise the conversations of one partition into token + loss-mask partials."""
+    cfg: PreprocessConfig = _STATE["config"]
+    template = _STATE["template"]
+    limit = None if cfg.seq_length is None else cfg.seq_length + 1
+    rels, rendered = [], []
+    for rel, raw in enumerate(lines, 1):
+        if not raw.strip():
+            stats["blank_lines"] += 1
+            continue
+        try:
+            rendered.append(template.render(parse_conversation(raw, task.path, None)))
+            rels.append(rel)
+        except (BadConversationError, ChatTemplateError) as e:
+            if _bad(stats, rel, e.reason if isinstance(e, BadConversationError) else str(e)):
+                break  # the lines before it may still hold an earlier, too-long conversation
+    stats["documents"] = len(rendered)
+    prefixes = {k: _part_prefix(_STATE["parts_dir"], task.index, k, cfg.level) for k in ("text", "loss_mask")}
+    too_long = False
+    with IndexedDatasetBuilder(prefixes["text"], _STATE["dtype"], durable=False) as tb, \
+            IndexedDatasetBuilder(prefixes["loss_mask"], np.uint8, durable=False) as mb:
+        for b in range(0, len(rendered), _SFT_BATCH):
+            if too_long:
+                break
+            for rel, (tokens, mask) in zip(rels[b:b + _SFT_BATCH],
+                                           tokenize_rendered(rendered[b:b + _SFT_BATCH], _STATE["tok"])):
+                fitted = fit_length(tokens, mask, limit, cfg.on_long)
+                if fitted == "error":
+                    too_long = _bad(stats, rel, too_long_reason(len(tokens), limit), skippable=False)  # type: ignore[arg-type]
+                    break
+                if isinstance(fitted, str):
+                    stats["dropped"] += 1
+                    continue
+                stats["truncated"] += len(fitted[0]) < len(tokens)
+                stats["tokens"]["text"] += len(fitted[0])
+                stats["tokens"]["loss_mask"] += int(fitted[1].sum())
+                tb.add_document(fitted[0])
+                mb.add_document(fitted[1])
+        if "error" in stats:
+            tb.abort()
+            mb.abort()
+            return stats
+    return _mark_done(_STATE["parts_dir"], task.index, stats)
 
 
 def _file_fingerprint(path: str) -> str:
@@ -312,7 +417,7 @@ def _file_fingerprint(path: str) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(cfg: PreprocessConfig, files: list[str]) -> str:
+def _fingerprint(cfg: PreprocessConfig, files: list[str], template: str | None = None) -> str:
     tok_files: list[str] = []
     if cfg.tokenizer_model is not None:
         p = cfg.tokenizer_model
@@ -323,6 +428,7 @@ def _fingerprint(cfg: PreprocessConfig, files: list[str]) -> str:
         "tokenizer": [(os.path.basename(p), _file_fingerprint(p)) for p in tok_files if os.path.isfile(p)],
         "config": {k: v for k, v in asdict(cfg).items()
                    if k not in ("input", "output_prefix", "workers", "keep_partitions", "tokenizer_model")},
+        "template": template,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
@@ -347,7 +453,7 @@ def _tasks(files: list[str], chunk: int) -> Iterator[_Task]:
 def _partials_intact(parts_dir: str, index: int, config: PreprocessConfig) -> bool:
     # Partials are not fsynced, so after a machine crash a marker may outlive its data: check sizes.
     try:
-        for key in config.json_keys:
+        for key in config.output_prefixes():
             IndexedDataset(_part_prefix(parts_dir, index, key, config.level)).close()
     except IndexedDatasetError:
         return False
@@ -384,16 +490,21 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
 
     Raises:
         FileNotFoundError: an input is missing. ValueError: bad tokenizer or options.
-        BadLineError: a malformed line without ``skip_bad_lines`` (names the file and line).
+        BadLineError: a malformed line without ``skip_bad_lines`` (names the file and line);
+            ``BadConversationError`` with ``format="sft"``, also for a conversation over
+            ``seq_length + 1`` tokens under ``on_long="error"``.
+        ChatTemplateError (a ValueError): the chat template cannot be loaded.
     """
     t0 = time.perf_counter()
     files = expand_inputs(config.input)
     tok = _load_tokenizer(config)  # here first, so a bad tokenizer fails clearly before any worker starts
-    parts_dir = f"{config.output_prefix}.parts-{_fingerprint(config, files)}"
+    template = (load_chat_template(config.chat_template, config.tokenizer_model).fingerprint
+                if config.format == "sft" else None)
+    parts_dir = f"{config.output_prefix}.parts-{_fingerprint(config, files, template)}"
     os.makedirs(parts_dir, exist_ok=True)
     outputs = config.output_prefixes()
-    summary = PreprocessSummary(outputs=outputs, tokens={k: 0 for k in config.json_keys},
-                                empty_documents={k: 0 for k in config.json_keys})
+    summary = PreprocessSummary(outputs=outputs, tokens={k: 0 for k in outputs},
+                                empty_documents={k: 0 for k in outputs})
     plain = all(not is_compressed(f) for f in files)
     total_bytes = sum(os.path.getsize(f) for f in files) if plain else None
     task_list: Any = list(_tasks(files, config.partition_bytes)) if plain else _tasks(files, config.partition_bytes)
@@ -460,12 +571,12 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         # Partitions are submitted in order, so the first bad line is in the lowest failing one.
         first = min(errors, key=lambda st: st["index"])
         rel, reason = first["error"]
-        raise BadLineError(first["path"], _absolute_line(first, rel), reason)
+        error = BadConversationError if config.format == "sft" else BadLineError
+        raise error(first["path"], _absolute_line(first, rel), reason)
     order = sorted(done_stats)
     level = config.level
-    dtype = np.dtype(optimal_dtype(tok.vocab_size))
     for key, out in outputs.items():
-        with IndexedDatasetBuilder(out, dtype, durable=config.fsync) as builder:
+        with IndexedDatasetBuilder(out, config.output_dtype(key, tok.vocab_size), durable=config.fsync) as builder:
             for i in order:
                 builder.add_index(_part_prefix(parts_dir, i, key, level))
     for i in order:
@@ -474,7 +585,9 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         summary.bad_lines += s["bad_lines"]
         summary.blank_lines += s["blank_lines"]
         summary.input_bytes += s["bytes"]
-        for k in config.json_keys:
+        summary.truncated += s.get("truncated", 0)
+        summary.dropped += s.get("dropped", 0)
+        for k in outputs:
             summary.tokens[k] += s["tokens"][k]
             summary.empty_documents[k] += s["empty"][k]
         for rel, reason in s["bad"]:

@@ -19,9 +19,19 @@ import click
 @click.option("--workers", type=int, default=1, help="Worker processes.")
 @click.option("--partition-mb", type=int, default=64, help="Input MB per partition (unit of work and of resumption).")
 @click.option("--skip-bad-lines", is_flag=True, help="Skip and count malformed lines instead of stopping.")
+@click.option("--format", "fmt", type=click.Choice(["text", "sft"]), default="text",
+              help="text: documents under --json-keys; sft: conversations ({messages} or {prompt, completion} "
+                   "lines) to PREFIX_text_document + PREFIX_loss_mask_document.")
+@click.option("--chat-template", default="auto",
+              help="sft: auto (the tokenizer's chat_template, else chatml), chatml, tokenizer, or a .jinja file.")
+@click.option("--seq-length", type=int, default=None,
+              help="sft: training sequence length; a conversation fits with at most seq-length + 1 tokens.")
+@click.option("--on-long", type=click.Choice(["error", "truncate", "drop"]), default="error",
+              help="sft: what to do with a conversation over seq-length + 1 tokens.")
 def preprocess(inputs: tuple[str, ...], output_prefix: str, tokenizer_model: str | None, tokenizer_type: str | None,
                vocab_size: int | None, json_keys: str, append_eod: bool, split_sentences: bool, workers: int,
-               partition_mb: int, skip_bad_lines: bool) -> None:
+               partition_mb: int, skip_bad_lines: bool, fmt: str, chat_template: str, seq_length: int | None,
+               on_long: str) -> None:
     """Tokenize JSONL documents into indexed datasets (resumable, deterministic for any --workers).
 
     \b
@@ -29,6 +39,9 @@ def preprocess(inputs: tuple[str, ...], output_prefix: str, tokenizer_model: str
       mg preprocess --input corpus.jsonl --tokenizer-model tok.model \\
                     --output-prefix data/corpus --append-eod --workers 2
       # -> data/corpus_text_document.bin / .idx
+      mg preprocess --format sft --input chats.jsonl --tokenizer-model tok/ \\
+                    --output-prefix data/chats --seq-length 4096 --on-long drop
+      # -> data/chats_text_document + data/chats_loss_mask_document (.bin / .idx)
     """
     from mg_cli.progress import preprocess_progress
     from mg_data import BadLineError, IndexedDatasetError, PreprocessConfig, run_preprocess
@@ -39,13 +52,20 @@ def preprocess(inputs: tuple[str, ...], output_prefix: str, tokenizer_model: str
             tokenizer_type=tokenizer_type, vocab_size=vocab_size,
             json_keys=[k.strip() for k in json_keys.split(",") if k.strip()], append_eod=append_eod,
             split_sentences=split_sentences, workers=workers, partition_bytes=partition_mb << 20,
-            skip_bad_lines=skip_bad_lines,
+            skip_bad_lines=skip_bad_lines, format=fmt, chat_template=chat_template, seq_length=seq_length,
+            on_long=on_long,
         )
         with preprocess_progress() as progress:
             summary = run_preprocess(config, progress=progress)
     except (ValueError, OSError, BadLineError, IndexedDatasetError) as e:
         raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    for key, prefix in summary.outputs.items():
+    if fmt == "sft":
+        written = summary.documents - summary.dropped
+        click.echo(f"{summary.outputs['text']}.bin/.idx + {summary.outputs['loss_mask']}.bin/.idx: "
+                   f"{summary.documents} conversations, {written} written, {summary.tokens['text']} tokens "
+                   f"({summary.tokens['loss_mask']} in the loss); {summary.truncated} truncated, "
+                   f"{summary.dropped} dropped")
+    for key, prefix in ({} if fmt == "sft" else summary.outputs).items():
         empty = summary.empty_documents.get(key, 0)
         click.echo(f"{prefix}.bin/.idx: {summary.documents - empty} documents, {summary.tokens.get(key, 0)} tokens"
                    + (f", {empty} empty documents dropped" if empty else ""))
