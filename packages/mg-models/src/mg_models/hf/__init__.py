@@ -88,7 +88,9 @@ def read_hf_directory(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tens
 
 def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], config: GPTConfig,
                        model_type: str = "llama", extra_config: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained`` (by
+    ``AutoModelForSequenceClassification`` for the classification head, which needs ``pad_token_id`` in
+    ``extra_config`` for batches of several sequences).
 
     ``mg_state`` is an unsharded mg state dict (e.g. ``GPTModel(...).state_dict()`` at tp=1);
     ``model_type`` is "gpt2", "llama" or "mistral"; ``extra_config`` adds keys such as token ids.

@@ -1,4 +1,5 @@
-"""Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` <-> mg BERT: config and tensor mapping.
+"""Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` / ``BertForSequenceClassification`` <-> mg BERT: config
+and tensor mapping.
 
 Hugging Face keeps separate query/key/value projections; mg fuses them per head as
 ``[q_h, k_h, v_h]`` (the grouped layout of :mod:`mg_models.layers`). The MLM decoder weight is the
@@ -16,6 +17,8 @@ import torch
 from mg_models.bert import BertConfig
 from mg_models.hf.common import (
     concat,
+    head_from_hf,
+    head_to_hf,
     load_safetensors_dir,
     pad_vocab,
     read_config_json,
@@ -51,6 +54,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> BertConfig
         raise ValueError(f"{where}: position_embedding_type={hf['position_embedding_type']!r}; only 'absolute' is "
                          f"supported")
     archs = hf.get("architectures") or ["BertForPreTraining"]
+    head = head_from_hf(hf, where)
     return BertConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
@@ -58,12 +62,15 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> BertConfig
         type_vocab_size=hf.get("type_vocab_size", 2), norm_eps=hf.get("layer_norm_eps", 1e-12),
         activation=_ACTIVATIONS[act], hidden_dropout=hf.get("hidden_dropout_prob", 0.0),
         attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
-        init_method_std=hf.get("initializer_range", 0.02), add_binary_head="BertForMaskedLM" not in archs,
+        init_method_std=hf.get("initializer_range", 0.02),
+        add_binary_head=head["head"] == "lm" and "BertForMaskedLM" not in archs,
+        classifier_dropout=hf.get("classifier_dropout") if head["head"] == "classification" else None, **head,
     )
 
 
 def config_to_hf(c: BertConfig) -> dict[str, Any]:
-    """A BERT ``config.json`` dict for ``c`` (``BertForPreTraining`` with the binary head, else ``BertForMaskedLM``).
+    """A BERT ``config.json`` dict for ``c`` (``BertForPreTraining`` with the binary head, else ``BertForMaskedLM``;
+    ``BertForSequenceClassification`` for the classification head).
 
     Raises:
         ValueError: ``c`` uses a feature Hugging Face BERT cannot express (names the field).
@@ -73,8 +80,8 @@ def config_to_hf(c: BertConfig) -> dict[str, Any]:
     if c.head_dim * c.num_attention_heads != c.hidden_size:
         raise ValueError("Hugging Face BERT needs model.kv_channels * num_attention_heads == hidden_size")
     inverse = {v: k for k, v in _ACTIVATIONS.items() if k != "gelu_pytorch_tanh"}
-    return {
-        "architectures": ["BertForPreTraining" if c.add_binary_head else "BertForMaskedLM"], "model_type": "bert",
+    out = {
+        **head_to_hf(c, "Bert", "BertForPreTraining" if c.add_binary_head else "BertForMaskedLM"), "model_type": "bert",
         "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
         "num_attention_heads": c.num_attention_heads, "intermediate_size": c.ffn_size, "vocab_size": c.vocab_size,
         "max_position_embeddings": c.max_position_embeddings, "type_vocab_size": max(c.type_vocab_size, 1),
@@ -82,6 +89,9 @@ def config_to_hf(c: BertConfig) -> dict[str, Any]:
         "attention_probs_dropout_prob": c.attention_dropout, "initializer_range": c.init_method_std,
         "position_embedding_type": "absolute", "tie_word_embeddings": True,
     }
+    if not c.has_lm_head:
+        out["classifier_dropout"] = c.classifier_dropout
+    return out
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,16 +119,20 @@ def _layer_pairs(i: int) -> list[tuple[str, str]]:
 
 
 def _head_pairs(c: BertConfig) -> list[tuple[str, str]]:
-    pairs = [("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
-             ("lm_head.dense.weight", "cls.predictions.transform.dense.weight"),
-             ("lm_head.dense.bias", "cls.predictions.transform.dense.bias"),
-             ("lm_head.layernorm.weight", "cls.predictions.transform.LayerNorm.weight"),
-             ("lm_head.layernorm.bias", "cls.predictions.transform.LayerNorm.bias")]
+    pairs = [("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight")]
+    if c.has_lm_head:
+        pairs += [("lm_head.dense.weight", "cls.predictions.transform.dense.weight"),
+                  ("lm_head.dense.bias", "cls.predictions.transform.dense.bias"),
+                  ("lm_head.layernorm.weight", "cls.predictions.transform.LayerNorm.weight"),
+                  ("lm_head.layernorm.bias", "cls.predictions.transform.LayerNorm.bias")]
     pairs += [(f"embedding.layernorm.{p}", f"bert.embeddings.LayerNorm.{p}") for p in ("weight", "bias")]
     if c.type_vocab_size > 0:
         pairs.append(("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"))
-    if c.add_binary_head:
+    if c.add_binary_head or not c.has_lm_head:
         pairs += [(f"pooler.{p}", f"bert.pooler.dense.{p}") for p in ("weight", "bias")]
+    if not c.has_lm_head:
+        pairs += [(f"classifier.{p}", f"classifier.{p}") for p in ("weight", "bias")]
+    elif c.add_binary_head:
         pairs += [(f"binary_head.{p}", f"cls.seq_relationship.{p}") for p in ("weight", "bias")]
     return pairs
 
@@ -126,12 +140,11 @@ def _head_pairs(c: BertConfig) -> list[tuple[str, str]]:
 def tensor_groups(c: BertConfig) -> list[TensorGroup]:
     """The model as per-tensor conversions: renames, vocabulary padding, one q/k/v fusion group per layer and parameter."""
     heads = c.num_attention_heads
-    groups = [
-        mapped("bert.embeddings.word_embeddings.weight", "embedding.word_embeddings.weight",
-               lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
-        mapped("cls.predictions.bias", "lm_head.bias", lambda b: pad_vocab(b[:, None], c)[:, 0],
-               lambda b: b[: c.vocab_size].contiguous()),
-    ]
+    groups = [mapped("bert.embeddings.word_embeddings.weight", "embedding.word_embeddings.weight",
+                     lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c))]
+    if c.has_lm_head:
+        groups.append(mapped("cls.predictions.bias", "lm_head.bias", lambda b: pad_vocab(b[:, None], c)[:, 0],
+                             lambda b: b[: c.vocab_size].contiguous()))
     groups += [rename(h, m) for m, h in _head_pairs(c)]
     for i in range(c.num_layers):
         attn = f"bert.encoder.layer.{i}.attention.self"
@@ -189,5 +202,6 @@ def read_hf_bert(path: str | Path) -> tuple[BertConfig, dict[str, torch.Tensor]]
 
 
 def write_hf_bert(path: str | Path, mg_state: dict[str, torch.Tensor], config: BertConfig) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` loadable by ``BertForPreTraining`` / ``BertForMaskedLM``."""
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``BertForPreTraining`` / ``BertForMaskedLM`` /
+    ``BertForSequenceClassification`` (as ``config.architectures`` says)."""
     return write_hf_files(path, state_to_hf(mg_state, config), config_to_hf(config))

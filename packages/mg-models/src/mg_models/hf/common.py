@@ -11,9 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mg_models.config import GPTConfig
+from mg_models.hf.groups import TensorGroup, mapped, rename
 
-__all__ = ["concat", "half_to_interleaved", "interleaved_to_half", "load_safetensors_dir", "pad_vocab",
-           "read_config_json", "unpad_vocab", "write_hf_files"]
+__all__ = ["concat", "half_to_interleaved", "head_from_hf", "head_to_hf", "interleaved_to_half",
+           "load_safetensors_dir", "output_groups", "pad_vocab", "read_config_json", "unpad_vocab", "write_hf_files"]
+
+_CLASSIFICATION = "ForSequenceClassification"
 
 
 def read_config_json(path: Path, model_type: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -30,6 +33,36 @@ def read_config_json(path: Path, model_type: str | None = None) -> tuple[Path, d
     if model_type is not None and hf_config.get("model_type") != model_type:
         raise ValueError(f"{cfg_file}: model_type={hf_config.get('model_type')!r}, expected {model_type!r}")
     return cfg_file, hf_config
+
+
+def head_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The mg ``head``/``num_labels`` config fields of a Hugging Face config dict: ``head="classification"`` when its
+    ``architectures`` name a ``*ForSequenceClassification`` (``num_labels`` from ``id2label``, else ``num_labels``,
+    else 2, as Hugging Face counts them), else ``head="lm"``.
+
+    Raises:
+        ValueError: a ``problem_type`` mg's loss does not implement for that many labels (names the key).
+    """
+    if not any(a.endswith(_CLASSIFICATION) for a in hf.get("architectures") or []):
+        return {"head": "lm"}
+    num_labels = len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels") or 2)
+    problem = hf.get("problem_type")
+    expected = ("regression",) if num_labels == 1 else ("single_label_classification", "multi_label_classification")
+    if problem is not None and problem not in expected:
+        raise ValueError(f"{where}: problem_type={problem!r} with {num_labels} labels is not supported; mg trains "
+                         f"one label as regression and several as single- or multi-label classification")
+    return {"head": "classification", "num_labels": num_labels}
+
+
+def head_to_hf(c: GPTConfig, prefix: str, lm_architecture: str) -> dict[str, Any]:
+    """``architectures`` (``f"{prefix}ForSequenceClassification"`` for the classification head, else
+    ``lm_architecture``) and, for the classification head, ``id2label``/``label2id`` keys of a Hugging Face
+    config dict."""
+    if c.has_lm_head:
+        return {"architectures": [lm_architecture]}
+    names = [f"LABEL_{i}" for i in range(c.num_labels)]
+    return {"architectures": [f"{prefix}{_CLASSIFICATION}"], "id2label": {str(i): n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)}}
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -105,3 +138,13 @@ def interleaved_to_half(w: torch.Tensor, heads: int, head_dim: int) -> torch.Ten
 def half_to_interleaved(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`interleaved_to_half`."""
     return w.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(heads * head_dim, -1)
+
+
+def output_groups(c: GPTConfig, lm_head: str) -> list[TensorGroup]:
+    """The GPT family's head tensors: the untied output layer (Hugging Face name ``lm_head``, vocabulary padded), none
+    when tied, or the classification head's ``score.weight`` (the same name in both)."""
+    if not c.has_lm_head:
+        return [rename("score.weight", "score.weight")]
+    if c.tie_word_embeddings:
+        return []
+    return [mapped(lm_head, "output_layer.weight", lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c))]

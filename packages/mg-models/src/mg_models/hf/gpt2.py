@@ -1,4 +1,4 @@
-"""Hugging Face ``GPT2LMHeadModel`` <-> mg GPT: config and tensor mapping.
+"""Hugging Face ``GPT2LMHeadModel`` / ``GPT2ForSequenceClassification`` <-> mg GPT: config and tensor mapping.
 
 GPT-2 stores linear weights as ``Conv1D`` ``[in, out]`` (transposed w.r.t. ``nn.Linear``) and its
 fused ``c_attn`` rows (after transposing) as ``[all q | all k | all v]``; mg's fused QKV is grouped
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mg_models.config import GPTConfig
-from mg_models.hf.common import pad_vocab, unpad_vocab
+from mg_models.hf.common import head_from_hf, head_to_hf, output_groups, pad_vocab, unpad_vocab
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
 __all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
@@ -21,7 +21,7 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    """GPTConfig from a GPT-2 ``config.json`` dict.
+    """GPTConfig from a GPT-2 ``config.json`` dict (the classification head for ``GPT2ForSequenceClassification``).
 
     Raises:
         ValueError: a feature mg does not implement (names the config.json key).
@@ -40,11 +40,12 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         normalization="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTIVATIONS[act],
         add_bias_linear=True, tie_word_embeddings=hf.get("tie_word_embeddings", True),
         hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
+        **head_from_hf(hf),
     )
 
 
 def config_to_hf(c: GPTConfig) -> dict[str, Any]:
-    """A GPT-2 ``config.json`` dict for ``c``.
+    """A GPT-2 ``config.json`` dict for ``c`` (``GPT2LMHeadModel``, or ``GPT2ForSequenceClassification``).
 
     Raises:
         ValueError: ``c`` uses a feature GPT-2 cannot express (names the field).
@@ -57,7 +58,7 @@ def config_to_hf(c: GPTConfig) -> dict[str, Any]:
     if c.head_dim * c.num_attention_heads != c.hidden_size:
         raise ValueError("GPT2LMHeadModel needs model.kv_channels * num_attention_heads == hidden_size")
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        **head_to_hf(c, "GPT2", "GPT2LMHeadModel"), "model_type": "gpt2",
         "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
         "n_layer": c.num_layers, "n_embd": c.hidden_size, "n_head": c.num_attention_heads,
         "n_inner": c.ffn_hidden_size, "n_positions": c.max_position_embeddings, "vocab_size": c.vocab_size,
@@ -117,9 +118,7 @@ def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
         rename("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
         rename("transformer.ln_f.bias", "decoder.final_layernorm.bias"),
     ]
-    if not c.tie_word_embeddings:
-        groups.append(mapped("lm_head.weight", "output_layer.weight",
-                             lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)))
+    groups += output_groups(c, "lm_head.weight")
     for i in range(c.num_layers):
         for hname, mname, conv in _layer_map(i):
             groups.append(mapped(hname, mname, _transpose, _transpose) if conv else rename(hname, mname))

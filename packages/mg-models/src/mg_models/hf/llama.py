@@ -1,4 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` <-> mg GPT: config and tensor mapping.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` (and their ``*ForSequenceClassification``) <-> mg GPT:
+config and tensor mapping.
 
 Hugging Face keeps separate q/k/v and gate/up projections; mg fuses q/k/v in the grouped layout
 (per key/value group: its query heads, then its key, then its value) and keeps gate and up as
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from mg_models.config import GPTConfig
-from mg_models.hf.common import concat, pad_vocab, unpad_vocab
+from mg_models.hf.common import concat, head_from_hf, head_to_hf, output_groups, pad_vocab, unpad_vocab
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
 __all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
@@ -31,7 +32,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    """GPTConfig from a Llama/Mistral ``config.json`` dict.
+    """GPTConfig from a Llama/Mistral ``config.json`` dict (the classification head for ``*ForSequenceClassification``).
 
     Raises:
         ValueError: a feature mg does not implement (names the config.json key).
@@ -54,12 +55,13 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         rotary_base=_rope_theta(hf), rotary_percent=float(hf.get("partial_rotary_factor", 1.0)),
         normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
         add_bias_linear=attn_bias, tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_dropout=hf.get("attention_dropout", 0.0), sliding_window=window,
+        attention_dropout=hf.get("attention_dropout", 0.0), sliding_window=window, **head_from_hf(hf),
     )
 
 
 def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
-    """A Llama (or Mistral, ``model_type="mistral"``) ``config.json`` dict for ``c``.
+    """A Llama (or Mistral, ``model_type="mistral"``) ``config.json`` dict for ``c`` (``*ForCausalLM``, or
+    ``*ForSequenceClassification`` for the classification head).
 
     Raises:
         ValueError: ``c`` uses a feature the format cannot express (names the field).
@@ -70,9 +72,9 @@ def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
         raise ValueError("Llama/Mistral export needs no qk_layernorm, uniform biases and rotary_percent=1")
     if c.sliding_window is not None and model_type != "mistral":
         raise ValueError("model.sliding_window needs model_type='mistral' on export")
+    prefix = "Mistral" if model_type == "mistral" else "Llama"
     out: dict[str, Any] = {
-        "architectures": ["MistralForCausalLM" if model_type == "mistral" else "LlamaForCausalLM"],
-        "model_type": model_type, "hidden_act": "silu",
+        **head_to_hf(c, prefix, f"{prefix}ForCausalLM"), "model_type": model_type, "hidden_act": "silu",
         "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.query_groups, "head_dim": c.head_dim, "intermediate_size": c.ffn_size,
         "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
@@ -130,9 +132,7 @@ def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
                lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
         rename("model.norm.weight", "decoder.final_layernorm.weight"),
     ]
-    if not c.tie_word_embeddings:
-        groups.append(mapped("lm_head.weight", "output_layer.weight",
-                             lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)))
+    groups += output_groups(c, "lm_head.weight")
     for i in range(c.num_layers):
         groups += [rename(h, m) for h, m in _plain_map(i, c.add_bias_linear)]
         groups += [_qkv_group(c, i, suffix) for suffix in (("weight", "bias") if c.qkv_bias else ("weight",))]
