@@ -116,3 +116,62 @@ def test_preprocess_with_hf_tokenizer_json(corpus, tmp_path):
     eod = ref.token_to_id("<|endoftext|>")
     for d in (0, 5, len(texts) - 1):
         assert ds.get_document(d).tolist() == ref.encode(texts[d], add_special_tokens=False).ids + [eod]
+
+
+def test_exact_whitespace_round_trips_every_corpus_document(corpus, sp_model):
+    tok = build_tokenizer(sp_model)
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    assert tok.exact_whitespace and len(texts) > 100
+    assert [tok.decode(ids) for ids in tok.encode_batch(texts)] == texts
+    assert all(tok.decode(tok.encode(t)) == t for t in texts[::7])
+
+
+EDGE_CASES = [
+    "", "\n", "\n\n\n", "\t", "\tx\t\ty\t", "a  b   c    d", "   leading", "trailing   ", " \n \n",
+    "if x:\n\tpass\n\n\n    return  1\n", "line one\r\nline two\r\n", "\r", "naïve café — ½ ﬁ Ω ℃",
+    "中文, 日本語, 한국어 😀\n", "e\u0301 vs \u00e9", "\u00a0nbsp\u3000ideographic", "x\x00\x0by",
+    "\u2581", "a\u2581b \u2581\u2581 c\u2581", "  \u2581\n\t",
+]
+
+
+@pytest.mark.parametrize("text", EDGE_CASES)
+def test_exact_whitespace_round_trips_edge_cases(sp_model, text):
+    tok = build_tokenizer(sp_model)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode_batch([text, "x"])[0]) == text
+
+
+def test_newlines_and_indentation_are_few_pieces(sp_model):
+    tok = build_tokenizer(sp_model)
+    pieces = [tok.sp.id_to_piece(i) for i in tok.encode("def f(x):\n        return x\n")]
+    assert sum(p.count("\n") for p in pieces) == 2
+    assert len(tok.encode("\n")) == 1 and len(tok.encode("    ")) == 1 and len(tok.encode("        ")) <= 2
+    assert len(tok.encode("\n\n")) <= 2 and len(tok.encode("\t")) <= 1
+    # a continuation decodes on its own (mg generate prints prompt + decode(new tokens))
+    ids = tok.encode(TEXT)
+    assert all(tok.decode(ids[:k]) + tok.decode(ids[k:]) == TEXT for k in range(len(ids)))
+
+
+def test_line_by_line_tokenizer_loads_and_works_as_before(corpus, tmp_path):
+    model = run_tokenizer_train(TokenizerTrainConfig(input=[str(corpus)], model_prefix=str(tmp_path / "old"),
+                                                     vocab_size=800, input_sentence_size=5000,
+                                                     exact_whitespace=False))
+    tok, ref = build_tokenizer(model), spm.SentencePieceProcessor(model_file=model)
+    assert isinstance(tok, SentencePieceTokenizer) and not tok.exact_whitespace
+    for text in (TEXT, "a\u2581b", "x\r\n\ty  z"):
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == ref.decode(ref.encode(text))
+    assert tok.encode_batch([TEXT, "a\u2581b"]) == [ref.encode(TEXT), ref.encode("a\u2581b")]
+    assert tok.decode(tok.encode(TEXT)) == "def main(argv): return sorted(argv) # ok"  # whitespace collapsed
+
+
+def test_training_pieces_keep_every_character(tmp_path):
+    from mg_data.tokenizers import _training_chunks
+
+    docs = ["a\n" * 50, "x" * 30 + "\n\n" + "é" * 20, "", "  \n", "no newline"]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    pieces = list(_training_chunks([str(path)], ["text"], 16))
+    assert all(len(p.encode()) <= 16 for p in pieces)
+    assert "".join(pieces) == "".join(docs)
+    assert pieces[:2] == ["a\n" * 8, "a\n" * 8]  # cut after newlines

@@ -3,7 +3,9 @@
 ``build_tokenizer(path, type=None)`` infers the kind from the file: a SentencePiece ``.model``,
 a Hugging Face ``tokenizer.json`` (needs the ``hf`` extra), a GPT-2 ``vocab.json`` with a
 ``merges.txt`` beside it (``hf`` extra). ``ByteTokenizer`` and ``NullTokenizer`` need no file.
-``train_sentencepiece`` trains a SentencePiece model on JSONL input.
+``train_sentencepiece`` trains a SentencePiece model on JSONL input; by default the model keeps
+text exactly (newlines, tabs, runs of spaces, no Unicode normalisation), so that
+``decode(encode(text)) == text``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +53,20 @@ def _none_if_negative(i: int) -> int | None:
     return None if i < 0 else int(i)
 
 
+# SentencePiece writes a space as this symbol, so a literal one in the text would come back as a space.
+_SP_SPACE = "\u2581"
+# Decodes to itself only where the model keeps whitespace as written and encodings of pieces concatenate.
+_EXACT_PROBE = (" a\n", "\tb  c\n\n")
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model file. ``eod`` is the model's ``eos_id()``.
+
+    ``exact_whitespace`` is True for models that keep whitespace as written (``train_sentencepiece``'s
+    default). With byte fallback their ``decode(encode(text)) == text`` for any text, a literal
+    ``\u2581`` (the symbol SentencePiece writes spaces as) included: it is encoded as its UTF-8
+    byte pieces. Otherwise (and for models trained on normalised lines) ``encode`` is the
+    SentencePiece library's.
 
     Args:
         model_path: the ``.model`` file.
@@ -73,12 +88,35 @@ class SentencePieceTokenizer(Tokenizer):
         self.pad = _none_if_negative(self.sp.pad_id())
         mask = self.sp.piece_to_id("<mask>")
         self.mask = None if mask == self.sp.unk_id() else int(mask)
+        a, b = _EXACT_PROBE
+        self.exact_whitespace = self.sp.decode(self.sp.encode(a) + self.sp.encode(b)) == a + b
+        space_bytes = [self.sp.piece_to_id(f"<0x{x:02X}>") for x in _SP_SPACE.encode("utf-8")]
+        exact_bytes = self.exact_whitespace and all(self.sp.is_byte(i) for i in space_bytes)
+        self._space_symbol = space_bytes if exact_bytes else None
+
+    def _encode_space_symbol(self, text: str) -> list[int]:
+        # the text around each literal symbol is encoded alone; exact models' encodings concatenate
+        assert self._space_symbol is not None
+        out: list[int] = []
+        for k, part in enumerate(text.split(_SP_SPACE)):
+            if k:
+                out += self._space_symbol
+            if part:
+                out += self.sp.encode(part)
+        return out
 
     def encode(self, text: str) -> list[int]:
+        if self._space_symbol is not None and _SP_SPACE in text:
+            return self._encode_space_symbol(text)
         return self.sp.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode(list(texts), num_threads=self.num_threads)
+        out = self.sp.encode(list(texts), num_threads=self.num_threads)
+        if self._space_symbol is not None:
+            for k, text in enumerate(texts):
+                if _SP_SPACE in text:
+                    out[k] = self._encode_space_symbol(text)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
@@ -305,18 +343,62 @@ def _training_lines(inputs: Sequence[str], json_keys: Sequence[str], max_line_by
                 yield line
 
 
+def _training_chunks(inputs: Sequence[str], json_keys: Sequence[str], max_bytes: int) -> Iterator[str]:
+    """Documents as written, cut after newlines into pieces of at most ``max_bytes`` UTF-8 bytes.
+
+    SentencePiece takes each piece whole (newlines included) and drops longer ones; a single line
+    longer than ``max_bytes`` is cut into slices of ``max_bytes // 4`` characters.
+    """
+    for text in iter_json_texts(inputs, json_keys):
+        lines = text.split("\n")
+        piece: list[str] = []
+        size = 0
+        for k, line in enumerate(lines):
+            if k < len(lines) - 1:
+                line += "\n"
+            n = len(line.encode("utf-8"))
+            if n > max_bytes:
+                step = max(1, max_bytes // 4)
+                slices = [line[i:i + step] for i in range(0, len(line), step)]
+            else:
+                slices = [line] if line else []
+            for part in slices:
+                n = len(part.encode("utf-8"))
+                if piece and size + n > max_bytes:
+                    yield "".join(piece)
+                    piece, size = [], 0
+                piece.append(part)
+                size += n
+        if piece:
+            yield "".join(piece)
+
+
+def _lines_per_piece(head: Sequence[str]) -> float:
+    """Mean number of lines in the first training pieces (1 when there are none)."""
+    lines = sum(p.count("\n") + (not p.endswith("\n")) for p in head)
+    return lines / len(head) if head else 1.0
+
+
 def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: str | os.PathLike[str], *,
                         vocab_size: int, model_type: str = "bpe", json_keys: Sequence[str] = ("text",),
                         byte_fallback: bool = True, character_coverage: float = 0.9995,
                         input_sentence_size: int = 1_000_000, num_threads: int = 1,
                         pad_id: int = -1, user_defined_symbols: Sequence[str] = (),
                         max_sentence_length: int = 4192, seed_sentencepiece_size: int = 1_000_000,
-                        extra_options: dict[str, Any] | None = None) -> str:
+                        extra_options: dict[str, Any] | None = None, exact_whitespace: bool = True) -> str:
     """Train a SentencePiece model on the ``json_keys`` texts of JSONL files (.gz/.zst allowed).
 
-    Documents are fed line by line (lines over ``max_sentence_length`` bytes and malformed JSONL
-    lines are left out of the sample); at most ``input_sentence_size`` lines are sampled. Ids:
-    unk 0, bos 1, eos 2 (the end-of-document id preprocessing appends), pad ``pad_id``.
+    With ``exact_whitespace`` (the default) the model keeps text as written: documents are fed
+    whole, cut after newlines into pieces of at most ``max_sentence_length`` bytes; newlines,
+    tabs, leading, trailing and repeated spaces are kept (whitespace-only pieces allowed), there
+    is no Unicode normalisation and no dummy leading space, so with ``byte_fallback``
+    ``SentencePieceTokenizer``'s ``decode(encode(text)) == text`` for every text. Without it, the
+    former training: stripped lines of at most ``max_sentence_length`` bytes, NFKC-normalised,
+    repeated spaces collapsed, newlines dropped.
+
+    About ``input_sentence_size`` lines are sampled (whole pieces of them with ``exact_whitespace``)
+    and malformed JSONL lines are left out. Ids: unk 0, bos 1, eos 2 (the end-of-document id
+    preprocessing appends), pad ``pad_id``.
 
     Returns:
         The path of the written ``MODEL_PREFIX.model`` (a ``.vocab`` is written beside it).
@@ -338,12 +420,21 @@ def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: 
         max_sentence_length=max_sentence_length, seed_sentencepiece_size=seed_sentencepiece_size,
         minloglevel=2,
     )
+    if exact_whitespace:
+        pieces = _training_chunks(files, json_keys, max_sentence_length)
+        head = list(islice(pieces, 1000))
+        sentences: Iterator[str] = chain(head, pieces)
+        # the sample stays about input_sentence_size lines, as in line-by-line training
+        options["input_sentence_size"] = max(1, round(input_sentence_size / _lines_per_piece(head)))
+        options.update(normalization_rule_name="identity", remove_extra_whitespaces=False,
+                       add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_by_whitespace=True)
+    else:
+        sentences = _training_lines(files, json_keys, max_sentence_length)
     if user_defined_symbols:
         options["user_defined_symbols"] = list(user_defined_symbols)
     options.update(extra_options or {})
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(files, json_keys, max_sentence_length), **options)
+        spm.SentencePieceTrainer.train(sentence_iterator=sentences, **options)
     except RuntimeError as e:
         raise ValueError(f"SentencePiece training on {files[:3]} failed: {e}") from None
     return prefix + ".model"
@@ -368,13 +459,15 @@ class TokenizerTrainConfig:
     character_coverage: float = 0.9995
     """Share of characters covered by the vocabulary."""
     input_sentence_size: int = 1_000_000
-    """Lines sampled for training (bounds time and memory)."""
+    """About this many lines are sampled for training (bounds time and memory)."""
     num_threads: int = 1
     """Training threads."""
     pad_id: int = -1
     """Id of a padding piece; -1 for none."""
     user_defined_symbols: Sequence[str] = ()
     """Pieces always kept whole (e.g. ``<mask>``)."""
+    exact_whitespace: bool = True
+    """Keep newlines, tabs and runs of spaces so decoding is exact (False: train on stripped lines)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
