@@ -43,6 +43,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1
 
 
+def launch_id() -> str | None:
+    """The run id ``mg train``'s own launch gave this job (None when started otherwise)."""
+    return os.environ.get(RUN_ID)
+
+
 def under_launcher() -> bool:
     """True when this process is already one rank of a launched job."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

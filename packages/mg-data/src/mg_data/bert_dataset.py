@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class BertDatasetConfig:
     """Directory of cached index files; None builds them in memory every time."""
     shuffle: bool = True
     """False serves samples in corpus order (debugging)."""
-    sentence_task: str = "sop"
+    sentence_task: Literal["sop", "nsp", "none"] = "sop"
     """``sop``: with probability 0.5 swap A and B (sentence order); ``nsp``: with probability 0.5 B
     comes from a random other document (next sentence); ``none``: one segment, no sentence target."""
     short_seq_prob: float = 0.1

@@ -57,10 +57,12 @@ class T5Config:
     hidden_size: int
     """Width of the residual stream (T5's d_model)."""
     num_attention_heads: int
-    kv_channels: int
-    """Per-head dimension (T5's d_kv; heads * kv_channels need not equal hidden_size)."""
-    ffn_hidden_size: int
-    """MLP inner width (T5's d_ff)."""
+    """Attention heads."""
+    kv_channels: int | None = None
+    """Per-head dimension (T5's d_kv; heads * kv_channels need not equal hidden_size); None means
+    hidden_size // num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width (T5's d_ff); None means 4 * hidden_size."""
     vocab_size: int
     """Tokenizer vocabulary (unpadded)."""
     num_decoder_layers: int | None = None
@@ -68,8 +70,11 @@ class T5Config:
     activation: str = "relu"
     """"relu" (T5 v1.0) or "gated-gelu" (v1.1: gelu_tanh(wi_0 x) * wi_1 x)."""
     relative_attention_num_buckets: int = 32
+    """Buckets of the relative position bias (shared by the layers of each stack)."""
     relative_attention_max_distance: int = 128
+    """Relative distances beyond this share the last bucket."""
     norm_eps: float = 1e-6
+    """Epsilon of every RMS normalisation."""
     dropout: float = 0.0
     """Dropout on the embedding, every residual branch, the attention probabilities and the final norms."""
     tie_word_embeddings: bool = True
@@ -82,6 +87,10 @@ class T5Config:
     """The padded vocabulary is a multiple of this; tp must divide the padded size."""
 
     def __post_init__(self) -> None:
+        if self.kv_channels is None and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+            self.kv_channels = self.hidden_size // max(1, self.num_attention_heads)
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = 4 * self.hidden_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
                      "vocab_size", "relative_attention_num_buckets", "relative_attention_max_distance",
                      "make_vocab_size_divisible_by"):

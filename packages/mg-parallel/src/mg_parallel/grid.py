@@ -30,7 +30,8 @@ __all__ = ["ParallelDims", "ProcessGrid", "build_grid"]
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """Sizes of the parallel dimensions. Their product must equal the world size."""
+    """The parallel layout: sizes of the parallel dimensions (their product is the world size), the
+    virtual pipeline stages per pipeline rank, and whether activations are sequence-parallel."""
 
     tp: int = 1
     """Tensor-parallel size: each layer's weights are split over this many ranks."""
@@ -42,14 +43,22 @@ class ParallelDims:
     """Data-parallel size; ``None`` derives it as ``world_size // (tp * pp * cp)``."""
     world_size: int | None = None
     """Total number of ranks; ``None`` reads it from ``torch.distributed`` when the grid is built."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 selects the interleaved schedule."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between tensor-parallel regions (needs tp > 1)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ValueError(f"parallel.dp must be a positive integer or None (derived), got {self.dp!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("parallel.vpp > 1 needs parallel.pp > 1; set vpp: 1 or raise pp")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
         if self.world_size is not None:
             self.resolve(self.world_size)
 
@@ -66,9 +75,11 @@ class ParallelDims:
         """
         mp = self.model_parallel_size
         if world_size % mp != 0:
+            keys = "parallel.tp*parallel.pp" + ("*parallel.cp" if self.cp > 1 else "")
+            sizes = f"{self.tp}*{self.pp}" + (f"*{self.cp}" if self.cp > 1 else "")
             raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {mp}; "
-                f"choose parallel.tp/pp/cp whose product divides the number of processes"
+                f"world size {world_size} is not divisible by tp*pp*cp = {mp}: {world_size} processes are not "
+                f"divisible by {keys} = {sizes} = {mp}; launch a multiple of {mp} processes or change them"
             )
         dp = world_size // mp
         if self.dp is not None and self.dp != dp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
       srun python -m mg_cli.main train --config run.yaml       # MASTER_ADDR/PORT exported
     """
     from mg_cli.config import ConfigError, describe, load_config
-    from mg_cli.launch import die_with_parent, under_launcher
+    from mg_cli.launch import die_with_parent, launch_id, under_launcher
     from mg_cli.training.signals import SignalFlag
 
     # A worker takes the signals over before the heavy imports, and dies with its launcher.
@@ -52,6 +53,9 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
     if print_config:
         click.echo(config.to_yaml(), nl=False)
         return
+    if os.environ.get("RANK", "0") == "0" and not (under_launcher() and launch_id()):  # once per job
+        for note in config.notes:
+            click.echo(f"mg train: {note}", err=True)
     if resume and not (config.checkpoint.load or config.checkpoint.save):
         raise click.ClickException("--resume needs checkpoint.save (or checkpoint.load) in the config")
 

@@ -13,14 +13,11 @@ from typing import Any
 
 import torch
 
-from mg_cli.config import RunConfig
+from mg_cli.config import ConfigError, RunConfig
 from mg_cli.training.setup import TrainingError
 from mg_data import (
-    BertDatasetConfig,
     GlobalBatchSampler,
-    GPTDatasetConfig,
     NotSentenceSplitError,
-    T5DatasetConfig,
     build_bert_datasets,
     build_gpt_datasets,
     build_t5_datasets,
@@ -30,28 +27,35 @@ from mg_parallel.grid import ProcessGrid
 
 
 def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> Any:
-    """The sample-dataset config of ``model.type`` (GPT, BERT sentence pairs, T5 span corruption).
+    """The sample-dataset config of ``model.type`` (GPT, BERT sentence pairs, T5 span corruption): the ``data.*``
+    keys given (fields of the family's dataset config class, same names) and what the run fills in (lengths,
+    special-token ids, the seed, the cache).
 
     Raises:
-        TrainingError: the tokenizer lacks a special token the family needs, or a bad length.
+        TrainingError: a ``data.*`` key of another family, the tokenizer lacks a special token the family
+            needs, or a bad length.
     """
     from mg_cli.training.families import special_tokens
 
-    d, t, m = config.data, config.train, config.model
-    ids = special_tokens(config, tokenizer)
+    t, m = config.train, config.model
     try:
-        if m.type == "bert":
-            return BertDatasetConfig(max_seq_length=m.seq_length, vocab_size=tokenizer.vocab_size, cls_id=ids.cls,
-                                     sep_id=ids.sep, mask_id=ids.mask, pad_id=ids.pad, seed=t.seed, split=d.split,
-                                     cache_dir=cache_dir, sentence_task=d.sentence_task)
-        if m.type == "t5":
-            return T5DatasetConfig(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos,
-                                   pad_id=ids.pad, decoder_seq_length=m.decoder_seq_length, seed=t.seed,
-                                   split=d.split, cache_dir=cache_dir)
+        cls = config.family_class("data")
+    except ConfigError as e:
+        raise TrainingError(str(e)) from None
+    ids = special_tokens(config, tokenizer)
+    run: dict[str, Any] = {"seed": t.seed, "cache_dir": cache_dir}
+    if m.type == "bert":
+        run.update(max_seq_length=m.seq_length, vocab_size=tokenizer.vocab_size, cls_id=ids.cls, sep_id=ids.sep,
+                   mask_id=ids.mask, pad_id=ids.pad)
+    elif m.type == "t5":
+        run.update(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos, pad_id=ids.pad,
+                   decoder_seq_length=m.decoder_seq_length)
+    else:
+        run.update(seq_length=m.seq_length, eod_id=ids.eos)
+    try:
+        return config.make(cls, **run)
     except ValueError as e:
-        raise TrainingError(f"model.seq_length / model.decoder_seq_length: {e}") from None
-    return GPTDatasetConfig(seq_length=m.seq_length, seed=t.seed, split=d.split, cache_dir=cache_dir,
-                            eod_mask_loss=d.eod_mask_loss, eod_id=ids.eos)
+        raise TrainingError(f"model.seq_length / model.decoder_seq_length / data: {e}") from None
 
 
 class RunData:

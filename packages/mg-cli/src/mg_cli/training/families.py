@@ -20,134 +20,77 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mg_cli.config import RunConfig
+from mg_cli.config import ConfigError, RunConfig
 from mg_cli.training.setup import TrainingError
 
 FAMILIES = ("gpt", "bert", "t5")
 
-# RunConfig.model key -> GPTConfig field; BERT takes the same (BertConfig is a GPTConfig) but rotary_base.
-_GPT_KEYS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups", "ffn_hidden_size": "ffn_hidden_size", "kv_channels": "kv_channels",
-    "position_embedding": "position_embedding", "normalization": "normalization", "activation": "activation",
-    "tie_embeddings": "tie_word_embeddings", "bias": "add_bias_linear", "init_std": "init_method_std",
-    "rotary_base": "rotary_base",
-}
-_BERT_KEYS = {k: v for k, v in _GPT_KEYS.items() if k != "rotary_base"}
-# RunConfig.model key -> T5Config field
-_T5_KEYS = {
-    "num_layers": "num_layers", "num_decoder_layers": "num_decoder_layers", "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels", "ffn_hidden_size": "ffn_hidden_size",
-    "activation": "activation", "tie_embeddings": "tie_word_embeddings",
-}
-_T5_UNUSED = ("num_query_groups", "position_embedding", "normalization", "bias", "rotary_base", "init_std")
-_T5_ONLY = ("num_decoder_layers", "decoder_seq_length")
-
 BERT_SYMBOLS = "<pad>,<cls>,<sep>,<mask>"
 
 
-def _preset_fields(family: str, name: str, presets: dict[str, Any]) -> dict[str, Any]:
-    if name not in presets:
-        raise TrainingError(f"model.preset={name!r} is not a {family.upper()} preset (model.type={family}); "
-                            f"choose one of {sorted(presets)}")
-    return dict(presets[name])
+def _presets(family: str) -> dict[str, dict[str, Any]]:
+    if family == "bert":
+        from mg_models.bert import BERT_PRESETS
 
+        return BERT_PRESETS
+    if family == "t5":
+        from mg_models.t5 import T5_PRESETS
 
-def _explicit(config: RunConfig, keys: dict[str, str]) -> dict[str, Any]:
-    m = config.model
-    return {target: getattr(m, key) for key, target in keys.items() if getattr(m, key) is not None}
-
-
-def gpt_model_config(config: RunConfig, vocab_size: int) -> Any:
-    """The GPT architecture: ``model.preset`` (a GPT preset), explicit keys, the tokenizer's vocabulary.
-
-    Raises:
-        TrainingError: unknown preset, missing shape without a preset, a key GPT cannot use.
-    """
-    from mg_models import GPTConfig
+        return T5_PRESETS
     from mg_models.presets import PRESETS
 
+    return PRESETS
+
+
+def _preset_fields(config: RunConfig) -> dict[str, Any]:
     m = config.model
-    _reject_t5_only(m, "gpt")
-    if m.activation in ("relu", "gated-gelu"):
+    if m.preset is None:
+        return {}
+    presets = _presets(m.type)
+    if m.preset not in presets:
+        if m.type == "gpt":
+            raise TrainingError(f"model.preset={m.preset!r} is unknown; choose one of {sorted(presets)}")
+        raise TrainingError(f"model.preset={m.preset!r} is not a {m.type.upper()} preset (model.type={m.type}); "
+                            f"choose one of {sorted(presets)}")
+    return dict(presets[m.preset])
+
+
+def model_config(config: RunConfig, vocab_size: int) -> Any:
+    """The architecture of ``model.type``: the preset (if any), the ``model.*`` keys given (the fields of the
+    family's config class, same names), and what the run fills in (the tokenizer's vocabulary, positions for
+    ``model.seq_length``, BERT's binary head from ``data.sentence_task``). A ``GPTConfig``, ``BertConfig`` or
+    ``T5Config`` (or whatever class the schema names for the family).
+
+    ``model.dropout`` (T5's one dropout) sets both ``attention_dropout`` and ``hidden_dropout`` of GPT and BERT
+    unless they are given.
+
+    Raises:
+        TrainingError: unknown preset, missing shape without a preset, a key the family does not use, or
+            whatever the config class rejects (in its own words, naming the key).
+    """
+    m = config.model
+    try:
+        cls = config.family_class("model", allow=("dropout",))
+    except ConfigError as e:
+        raise TrainingError(str(e)) from None
+    if m.type == "gpt" and m.activation in ("relu", "gated-gelu"):
         raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
-    fields: dict[str, Any] = {}
-    if m.preset is not None:
-        if m.preset not in PRESETS:
-            raise TrainingError(f"model.preset={m.preset!r} is unknown; choose one of {sorted(PRESETS)}")
-        fields.update(PRESETS[m.preset])
-    fields.update(_explicit(config, _GPT_KEYS))
-    _require_shape(fields)
-    return _construct(GPTConfig, _with_run_fields(fields, config, vocab_size))
-
-
-def _reject_t5_only(m: Any, family: str) -> None:
-    for key in _T5_ONLY:
-        if getattr(m, key) is not None:
-            raise TrainingError(f"model.{key} is only used by model.type=t5; leave it unset for {family}")
-
-
-def _with_run_fields(fields: dict[str, Any], config: RunConfig, vocab_size: int) -> dict[str, Any]:
-    """A GPTConfig/BertConfig's fields that come from the run: vocabulary, dropout, positions for seq_length."""
-    m = config.model
-    fields.update(vocab_size=vocab_size, attention_dropout=m.dropout, hidden_dropout=m.dropout)
-    fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
-    return fields
-
-
-def _construct(cls: type, fields: dict[str, Any]) -> Any:
+    fields = {**_preset_fields(config), **config.values_for(cls)}
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in fields]
+    if missing:
+        raise TrainingError(f"model.{missing[0]} is not set and model.preset is not given; set a preset or the shape")
+    fields["vocab_size"] = vocab_size
+    if m.type != "t5":
+        if m.dropout is not None:
+            fields.setdefault("attention_dropout", m.dropout)
+            fields.setdefault("hidden_dropout", m.dropout)
+        fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
+    if m.type == "bert":
+        fields["add_binary_head"] = config.data.sentence_task != "none"
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
         raise TrainingError(str(e)) from None
-
-
-def bert_model_config(config: RunConfig, vocab_size: int) -> Any:
-    """The BERT architecture: ``model.preset`` (a BERT preset), explicit keys, the tokenizer's vocabulary.
-
-    Raises:
-        TrainingError: unknown preset, missing shape without a preset, a key BERT cannot use.
-    """
-    from mg_models.bert import BERT_PRESETS, BertConfig
-
-    m = config.model
-    _reject_t5_only(m, "bert")
-    if m.rotary_base is not None:
-        raise TrainingError("model.rotary_base is not used by BERT (learned positions); leave it unset")
-    fields = _preset_fields("bert", m.preset, BERT_PRESETS) if m.preset is not None else {}
-    fields.update(_explicit(config, _BERT_KEYS))
-    _require_shape(fields)
-    fields["add_binary_head"] = config.data.sentence_task != "none"
-    return _construct(BertConfig, _with_run_fields(fields, config, vocab_size))
-
-
-def t5_model_config(config: RunConfig, vocab_size: int) -> Any:
-    """The T5 architecture: ``model.preset`` (a T5 preset), explicit keys, the tokenizer's vocabulary.
-
-    Raises:
-        TrainingError: unknown preset, missing shape without a preset, a key T5 cannot use.
-    """
-    from mg_models.t5 import T5_PRESETS, T5Config
-
-    m = config.model
-    for key in _T5_UNUSED:
-        if getattr(m, key) is not None:
-            raise TrainingError(f"model.{key} is not used by T5 (relative position bias, RMSNorm, no biases); "
-                                f"leave it unset for model.type=t5")
-    fields = _preset_fields("t5", m.preset, T5_PRESETS) if m.preset is not None else {}
-    fields.update(_explicit(config, _T5_KEYS))
-    _require_shape(fields)
-    if "kv_channels" not in fields:
-        fields["kv_channels"] = fields["hidden_size"] // fields["num_attention_heads"]
-    fields.setdefault("ffn_hidden_size", 4 * fields["hidden_size"])
-    fields.update(vocab_size=vocab_size, dropout=m.dropout)
-    return _construct(T5Config, fields)
-
-
-def _require_shape(fields: dict[str, Any]) -> None:
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in fields]
-    if missing:
-        raise TrainingError(f"model.{missing[0]} is not set and model.preset is not given; set a preset or the shape")
 
 
 def check_t5_layout(config: RunConfig) -> None:
@@ -158,8 +101,9 @@ def check_t5_layout(config: RunConfig) -> None:
                             f"use parallel.pp=1 with tensor (parallel.tp) and data parallelism")
     if p.sequence_parallel:
         raise TrainingError("parallel.sequence_parallel is not supported for model.type=t5; set it to false")
-    if p.recompute != "none":
-        raise TrainingError(f"parallel.recompute={p.recompute} is not supported for model.type=t5; set it to none")
+    if p.recompute_granularity is not None:
+        raise TrainingError(f"parallel.recompute_granularity={p.recompute_granularity} is not supported for "
+                            f"model.type=t5; leave it unset")
 
 
 # ----------------------------------------------------------------------------------------------- tokens

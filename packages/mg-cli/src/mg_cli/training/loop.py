@@ -13,7 +13,15 @@ from typing import Any
 import torch.distributed as dist
 
 from mg_cli.config import RunConfig
-from mg_cli.training.setup import Env, TrainingError, check_config, init_distributed, read_env, set_threads
+from mg_cli.training.setup import (
+    Env,
+    Plan,
+    TrainingError,
+    check_config,
+    init_distributed,
+    read_env,
+    set_threads,
+)
 from mg_cli.training.signals import SAVE, STOP, SignalFlag
 
 
@@ -30,7 +38,7 @@ def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | 
     """
     env = read_env()
     set_threads(config, env)
-    tokenizer, model_cfg = preflight(config, env)  # before any collective: every rank fails alike
+    plan = preflight(config, env)  # before any collective: every rank fails alike
     load_path = _resolve_load(config, resume)
 
     own_flag = stop is None
@@ -43,7 +51,7 @@ def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | 
         # Collective (creates the checkpoint group). Leaving the block waits for a background save and
         # raises its error; when the run itself failed, that error is only a warning.
         with CheckpointSaver() as saver:
-            return _train(config, env, tokenizer, model_cfg, load_path, stop, saver)
+            return _train(config, env, plan, load_path, stop, saver)
     except CheckpointError as e:
         raise TrainingError(f"checkpoint.save: {str(e).splitlines()[0]}") from None
     finally:
@@ -53,19 +61,16 @@ def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | 
             dist.destroy_process_group()
 
 
-def preflight(config: RunConfig, env: Env) -> tuple[Any, Any]:
+def preflight(config: RunConfig, env: Env) -> Plan:
     """Every check that needs no collective (config, layout, data files, tokenizer, model shape).
 
     ``mg train --nproc-per-node N`` runs it before starting the workers, so a bad config fails
     once, in one line, instead of once per rank.
 
-    Returns:
-        ``(tokenizer, model config)``.
-
     Raises:
         TrainingError: naming the key or file at fault.
     """
-    check_config(config, env)
+    dims = check_config(config, env)
     from mg_data import build_tokenizer
 
     try:
@@ -74,11 +79,16 @@ def preflight(config: RunConfig, env: Env) -> tuple[Any, Any]:
         raise TrainingError(f"data.tokenizer_model: {e}") from None
     from mg_cli.training.build import check_model_layout, model_config
     from mg_cli.training.data import dataset_config
+    from mg_cli.training.schedule import lr_schedule
 
     model_cfg = model_config(config, tokenizer.vocab_size)
     check_model_layout(model_cfg, config)
     dataset_config(config, tokenizer, None)  # the family's special tokens and sample lengths
-    return tokenizer, model_cfg
+    try:
+        schedule = lr_schedule(config.optim, config.train.iters)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule)
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:
@@ -92,8 +102,8 @@ def _resolve_load(config: RunConfig, resume: bool) -> str | None:
     return None
 
 
-def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None,
-           stop: SignalFlag, saver: Any) -> dict[str, Any]:
+def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop: SignalFlag,
+           saver: Any) -> dict[str, Any]:
     """Build the run, then iterate: step, log, evaluate, save, and stop when every rank agrees to."""
     from mg_cli.training.metrics import MetricsLogger, report_start, step_record
     from mg_cli.training.policy import CheckpointPolicy, StopConditions
@@ -101,7 +111,7 @@ def _train(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_pat
     from mg_cli.training.step import evaluate, train_step
     from mg_cli.training.throughput import peak_flops
 
-    run = build_run(config, env, tokenizer, model_cfg, load_path, saver)
+    run = build_run(config, env, plan, load_path, saver)
     t, start_iter = config.train, run.start_iter
     batches = run.data.train_iterator(start_iter * t.global_batch_size)
     valid = run.data.valid_batches() if config.eval.interval or config.eval.iters else None

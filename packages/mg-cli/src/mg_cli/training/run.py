@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mg_cli.config import RunConfig
-from mg_cli.training.setup import Env, TrainingError
+from mg_cli.training.setup import Env, Plan, TrainingError
 
 
 @dataclass
@@ -53,8 +53,7 @@ class Run:
         return self.config.train.precision == "fp16"
 
 
-def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_path: str | None,
-              saver: Any) -> Run:
+def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, saver: Any) -> Run:
     """Build the grid, model, optimizer, schedule and data, and restore ``load_path`` if given.
 
     Raises:
@@ -63,33 +62,32 @@ def build_run(config: RunConfig, env: Env, tokenizer: Any, model_cfg: Any, load_
     from mg_cli.training.build import build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
     from mg_cli.training.families import forward_step_for, logged_losses, step_flops_per_token
-    from mg_cli.training.schedule import LRSchedule
-    from mg_parallel import ParallelDims, Precision, build_grid
+    from mg_parallel import Precision, build_grid
     from mg_parallel.pipeline import get_forward_backward_func
     from mg_parallel.tensor_parallel import RNGTracker
 
-    p, t, o = config.parallel, config.train, config.optim
-    grid = build_grid(ParallelDims(tp=p.tp, pp=p.pp))
+    t = config.train
+    model_cfg = plan.model_config
+    grid = build_grid(plan.dims)
+    dims = grid.dims
     torch.manual_seed(t.seed)
     rng = RNGTracker(t.seed, grid)
     model, optimizer = wrap_and_build_optimizer(build_model_chunks(model_cfg, config, grid, rng), config, grid)
-    schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_iters=o.warmup_iters,
-                          decay_iters=o.decay_iters if o.decay_iters is not None else t.iters,
-                          style=o.decay_style, wsd_decay_fraction=o.wsd_decay_fraction)
     start_iter = 0
     if load_path is not None:
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
-    data = RunData(config, grid, tokenizer)
+    data = RunData(config, grid, plan.tokenizer)
     seq = config.model.seq_length
     family, task = config.model.type, config.data.sentence_task
     return Run(
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
-        schedule=schedule, data=data,
-        forward_backward=get_forward_backward_func(grid, p.vpp if p.vpp > 1 else None),
+        schedule=plan.schedule, data=data,
+        forward_backward=get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None),
         forward_step=forward_step_for(family, task), logged_losses=logged_losses(family, task),
         dtype=Precision.from_name(t.precision).param_dtype,
-        tensor_shape=(seq // grid.tp_size if p.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
-        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, recompute=p.recompute == "full"),
+        tensor_shape=(seq // grid.tp_size if dims.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
+        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq,
+                                             recompute=config.parallel.recompute_granularity == "full"),
         saver=saver, start_iter=start_iter,
     )
 
@@ -124,5 +122,5 @@ def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, mod
 
 def layout_key(grid: Any, config: RunConfig) -> str:
     """Identifies a layout in checkpoints: RNG streams are restored only at the same one."""
-    p = config.parallel
-    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{p.vpp}-do{int(p.distributed_optimizer)}"
+    do = int(config.parallel.use_distributed_optimizer)
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}"

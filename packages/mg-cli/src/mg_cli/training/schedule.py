@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -54,3 +55,18 @@ class LRSchedule:
             return self.lr
         frac = (iteration - decay_start) / (self.decay_iters - decay_start)
         return self.min_lr + (self.lr - self.min_lr) * (1.0 - frac)
+
+
+def lr_schedule(optim: Any, iters: int) -> LRSchedule:
+    """The schedule of the ``optim`` section (``decay_iters`` null: ``iters``, the run's length).
+
+    Raises:
+        ValueError: naming the keys (decay ends before warm-up does).
+    """
+    decay_iters = optim.decay_iters if optim.decay_iters is not None else iters
+    try:
+        return LRSchedule(lr=optim.lr, min_lr=optim.min_lr, warmup_iters=optim.warmup_iters, decay_iters=decay_iters,
+                          style=optim.decay_style, wsd_decay_fraction=optim.wsd_decay_fraction)
+    except ValueError as e:
+        unset = optim.decay_iters is None
+        raise ValueError(f"{e}{' (optim.decay_iters is unset, so it is train.iters)' if unset else ''}") from None

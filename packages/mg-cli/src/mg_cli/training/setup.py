@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,19 @@ class Env:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclass
+class Plan:
+    """What the checks before any collective resolved, for building the run."""
+
+    dims: Any
+    """The layout (``mg_parallel.ParallelDims``, dp resolved for this world size)."""
+    tokenizer: Any
+    model_config: Any
+    """The architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
+    schedule: Any
+    """The learning rate by iteration (``LRSchedule``)."""
 
 
 def read_env() -> Env:
@@ -74,38 +88,54 @@ def init_distributed(env: Env, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def check_config(config: RunConfig, env: Env) -> None:
-    """Checks that need no collective: layout divisibility, batch sizes, data files, checkpoints.
+def check_config(config: RunConfig, env: Env) -> Any:
+    """Checks that need no collective: the layout for this world size, batch sizes, data files, checkpoints.
+
+    Returns:
+        The resolved ``mg_parallel.ParallelDims`` (dp derived here, the one place).
 
     Raises:
         TrainingError: naming the key or file at fault.
     """
-    p, t = config.parallel, config.train
-    mp = p.tp * p.pp
-    if env.world_size % mp:
-        raise TrainingError(
-            f"{env.world_size} processes are not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp} = {mp}; "
-            f"launch a multiple of {mp} processes or change tp/pp"
-        )
-    dp = env.world_size // mp
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    from mg_parallel.grid import ParallelDims
+
+    t = config.train
+    try:
+        dims = config.make(ParallelDims).resolve(env.world_size)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    if dims.cp > 1:
+        raise TrainingError(f"parallel.cp={dims.cp}: context parallelism is not supported by mg train yet; "
+                            f"set parallel.cp: 1")
+    if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise TrainingError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp = "
-            f"{t.micro_batch_size} * {dp}; with {env.world_size} processes and tp*pp={mp}, dp={dp}"
+            f"{t.micro_batch_size} * {dims.dp}; with {env.world_size} processes and tp*pp={dims.tp * dims.pp}, "
+            f"dp={dims.dp}"
         )
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.vpp > 1 and num_micro % p.pp:
+    num_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    if dims.vpp > 1 and num_micro % dims.pp:
         raise TrainingError(
-            f"the interleaved schedule (parallel.vpp={p.vpp}) needs micro-batches per step ({num_micro}) to be a "
-            f"multiple of parallel.pp={p.pp}; change train.global_batch_size or train.micro_batch_size"
+            f"the interleaved schedule (parallel.vpp={dims.vpp}) needs micro-batches per step ({num_micro}) to be a "
+            f"multiple of parallel.pp={dims.pp}; change train.global_batch_size or train.micro_batch_size"
         )
-    if p.sequence_parallel and config.model.seq_length % p.tp:
+    if dims.sequence_parallel and config.model.seq_length % dims.tp:
         raise TrainingError(
-            f"model.seq_length={config.model.seq_length} is not divisible by parallel.tp={p.tp}, which "
+            f"model.seq_length={config.model.seq_length} is not divisible by parallel.tp={dims.tp}, which "
             f"parallel.sequence_parallel needs"
         )
     if t.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise TrainingError("train.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
+    check_files(config)
+    return dims
+
+
+def check_files(config: RunConfig) -> None:
+    """The tokenizer, dataset and checkpoint files the config names exist and are readable.
+
+    Raises:
+        TrainingError: naming the key and the file.
+    """
     d = config.data
     if d.path is None:
         raise TrainingError("data.path is not set; point it at a dataset prefix made by `mg preprocess`")
@@ -132,5 +162,3 @@ def check_config(config: RunConfig, env: Env) -> None:
     c = config.checkpoint
     if c.load is not None and not os.path.exists(c.load):
         raise TrainingError(f"checkpoint.load: {c.load} does not exist")
-    if c.interval < 0 or config.eval.interval < 0 or config.log.interval < 1:
-        raise TrainingError("checkpoint.interval and eval.interval must be >= 0 and log.interval >= 1")

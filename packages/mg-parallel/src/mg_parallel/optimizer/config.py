@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mg_parallel.precision import PRECISION_NAMES
 
@@ -29,7 +30,7 @@ class OptimizerConfig:
     """Adam denominator epsilon."""
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Model parameter dtype: "fp32", "bf16" or "fp16" (a :class:`~mg_parallel.precision.Precision` name);
     main params and Adam state are fp32."""
     use_distributed_optimizer: bool = False
