@@ -247,3 +247,24 @@ def test_classification_loss_and_config_errors():
     hf = {**_bert(2).config.to_dict(), "architectures": ["BertForSequenceClassification"], "problem_type": "regression"}
     with pytest.raises(ValueError, match="problem_type='regression' with 2 labels is not supported"):
         bert_config_from_hf(hf)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameter_count_and_flops_of_classification_models(name):
+    """References: the built model's parameters and torch's FlopCounterMode over a forward+backward (math SDPA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mg_models import flops_per_token, num_parameters
+
+    cls, fields = CONFIGS[name]
+    config = cls(**fields)
+    model = (GPTModel if cls is GPTConfig else BertModel)(config)
+    if cls is GPTConfig:
+        padding_rows = config.padded_vocab_size - config.vocab_size
+        assert sum(p.numel() for p in model.parameters()) - padding_rows * config.hidden_size == num_parameters(config)
+    ids, mask = _inputs()
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(ids, attention_mask=mask, labels=_labels(3)).sum().backward()
+    assert flops_per_token(config, S) == pytest.approx(counter.get_total_flops() / (B * S), rel=1e-12)

@@ -10,6 +10,8 @@ layers, so it runs under tensor, sequence and pipeline parallelism:
 * the MLM head is dense -> gelu -> LayerNorm -> logits against the (tied) word embedding plus a
   vocabulary-sharded output bias; the binary head is a tanh pooler on ``[CLS]`` (position 0) and
   a linear layer to 2 classes;
+* ``head="classification"`` builds, instead of both, the pooler, dropout and a ``classifier`` to
+  ``num_labels`` classes (Hugging Face's ``BertForSequenceClassification``);
 * parameter values derive from ``(seed, global name)``, so every layout holds slices of the same
   global tensors.
 """
@@ -369,11 +371,12 @@ class BertModel(PipelineStageModel):
 
 def load_hf_bert(path: str | Path, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> BertModel:
-    """A single-process BertModel from a Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` directory.
+    """A single-process BertModel from a Hugging Face ``BertForPreTraining`` / ``BertForMaskedLM`` /
+    ``BertForSequenceClassification`` directory.
 
     ``model(input_ids, token_type_ids=None, attention_mask=None)`` returns ``(mlm_logits [b, s, vocab],
     binary_logits [b, 2] | None)``, comparable with Hugging Face's ``prediction_logits`` /
-    ``seq_relationship_logits``.
+    ``seq_relationship_logits``; for a classification checkpoint, its ``logits`` [b, num_labels].
 
     Raises:
         FileNotFoundError: no config.json or safetensors weights.

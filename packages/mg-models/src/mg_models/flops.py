@@ -18,7 +18,8 @@ __all__ = ["flops_per_token", "num_parameters"]
 
 
 def num_parameters(config: GPTConfig, *, include_embedding: bool = True) -> int:
-    """Parameter count of the unpadded model (norms and biases included)."""
+    """Parameter count of the unpadded GPT model (norms and biases included; the classification head's ``score``
+    instead of the output layer with ``head="classification"``)."""
     c = config
     h, d, heads, g, f = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_size
     norm = h * (2 if c.normalization == "layernorm" else 1)
@@ -28,11 +29,14 @@ def num_parameters(config: GPTConfig, *, include_embedding: bool = True) -> int:
     mlp = n_in * (h * f + (f if c.add_bias_linear else 0)) + f * h + (h if c.add_bias_linear else 0)
     qk_norm = 2 * d * (2 if c.normalization == "layernorm" else 1) if c.qk_layernorm else 0
     total = c.num_layers * (2 * norm + qkv + proj + mlp + qk_norm) + norm
+    untied_output = c.has_lm_head and not c.tie_word_embeddings
+    if not c.has_lm_head:
+        total += h * c.num_labels
     if include_embedding:
-        total += c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+        total += c.vocab_size * h * (2 if untied_output else 1)
         if c.position_embedding == "learned":
             total += c.max_position_embeddings * h
-    elif not c.tie_word_embeddings:
+    elif untied_output:
         total += c.vocab_size * h
     return total
 
@@ -44,7 +48,9 @@ def flops_per_token(config: Any, seq_length: int, *, recompute: bool = False, pa
     GPT and BERT count per input token. BERT adds its MLM transform (dense ``h x h``) to the head and
     its pooler + binary head once per sequence (spread over its tokens); its training loss runs the
     transform and the vocabulary projection on the masked positions only, a share given by
-    ``masked_lm_fraction``. T5 counts per *encoder*
+    ``masked_lm_fraction``. A classification head (``head="classification"``) replaces the vocabulary
+    projection by its layers applied once per sequence (GPT: ``score``; BERT: pooler and classifier). T5 counts
+    per *encoder*
     token (``seq_length`` = encoder length): the FLOPs of a whole sample, encoder, decoder of
     ``decoder_seq_length`` tokens (self-attention, cross-attention to the encoder output, and the
     cross-attention keys/values of every encoder token in every decoder layer) and the head over the
@@ -76,7 +82,10 @@ def flops_per_token(config: Any, seq_length: int, *, recompute: bool = False, pa
     attention = 2 * seq_length * heads * d  # q.k^T and attn.v per query token
     layer_fwd = 2 * (linear + attention)
     head_fwd = 2 * h * vocab
-    if hasattr(c, "add_binary_head"):  # BertConfig
+    if not c.has_lm_head:
+        pooler = h * h if hasattr(c, "add_binary_head") else 0  # BERT pools [CLS] first
+        head_fwd = 2 * (pooler + h * c.num_labels) / seq_length
+    elif hasattr(c, "add_binary_head"):  # BertConfig
         frac = 1.0 if masked_lm_fraction is None else masked_lm_fraction
         if not 0.0 <= frac <= 1.0:
             raise ValueError(f"masked_lm_fraction={masked_lm_fraction} must be in [0, 1]")

@@ -123,7 +123,8 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     (unpadded), directly comparable with Hugging Face's. BERT and T5 directories give a
     :class:`~mg_models.bert.BertModel` (``model(input_ids, token_type_ids=None, attention_mask=None)
     -> (mlm_logits, binary_logits)``) or a :class:`~mg_models.t5.T5Model` (``model(input_ids,
-    decoder_input_ids=..., attention_mask=None) -> (logits, encoder_output)``).
+    decoder_input_ids=..., attention_mask=None) -> (logits, encoder_output)``). A ``*ForSequenceClassification``
+    directory gives the model with ``head="classification"``, returning logits ``[b, num_labels]``.
 
     mg checkpoints (an ``iter_*`` directory or a save directory with ``latest``, any layout) are read by
     the loaders of :data:`MG_CHECKPOINT_LOADERS`; the first call loads those that installed packages
