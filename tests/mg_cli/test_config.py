@@ -124,3 +124,131 @@ def test_family_model_configs_from_presets_and_keys():
         model_config(load_config(None, ["model.type=bert", "model.activation=swiglu", *shape]), 300)
     with pytest.raises(TrainingError, match=r"model.activation=relu is a T5 activation"):
         model_config(load_config(None, ["model.activation=relu", *shape]), 300)
+
+
+# ----------------------------------------------------------------------------------- one config universe
+
+
+def test_sections_are_the_library_dataclasses():
+    """Every init field of the library config classes is a key of its section, under the same name."""
+    import dataclasses
+
+    from mg_data import BertDatasetConfig, GPTDatasetConfig, T5DatasetConfig
+    from mg_models import GPTConfig
+    from mg_models.bert import BertConfig
+    from mg_models.t5 import T5Config
+    from mg_parallel import ParallelDims
+    from mg_parallel.optimizer import OptimizerConfig
+    from mg_parallel.recompute import RecomputeConfig
+
+    keys = set(all_keys())
+    run_filled = {"vocab_size", "add_binary_head", "world_size", "seed", "cache_dir", "eod_id", "seq_length",
+                  "max_seq_length", "encoder_seq_length", "decoder_seq_length", "cls_id", "sep_id", "mask_id",
+                  "pad_id", "sentinel_ids", "eos_id", "decoder_start_id", "is_word_start", "word_starts",
+                  "reset_attention_mask", "create_attention_mask"}
+    expected = {"model": (GPTConfig, BertConfig, T5Config), "parallel": (ParallelDims,),
+                "data": (GPTDatasetConfig, BertDatasetConfig, T5DatasetConfig)}
+    for section, classes in expected.items():
+        for cls in classes:
+            names = {f.name for f in dataclasses.fields(cls) if f.init} - run_filled
+            assert {n for n in names if f"{section}.{n}" not in keys} == set(), cls.__name__
+    optimizer = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    spread = {k.split(".")[1] for k in keys if k.split(".")[0] in ("optim", "train", "parallel")}
+    assert optimizer <= spread
+    assert {"parallel.recompute_" + f.name for f in dataclasses.fields(RecomputeConfig)} <= keys
+
+
+def test_a_field_added_to_a_library_dataclass_is_a_key(tmp_path):
+    """A subclass of GPTConfig with one more field: --list-keys shows it with its docstring, YAML sets it, and
+    the model config mg train builds carries it (nothing in mg-cli edited)."""
+    from dataclasses import dataclass
+
+    from mg_cli.config import describe
+    from mg_cli.sections import SCHEMA
+    from mg_cli.training.build import model_config
+    from mg_models import GPTConfig
+
+    @dataclass(kw_only=True)
+    class WiderGPTConfig(GPTConfig):
+        logit_softcap: float | None = None
+        """Cap logits at this magnitude with tanh (None: no cap)."""
+
+    schema = SCHEMA.replace(GPTConfig, WiderGPTConfig)
+    listing = describe(schema)
+    assert "  logit_softcap: None  # float or null [gpt]; Cap logits at this magnitude with tanh (None: no cap)." \
+        in listing.splitlines()
+    assert "logit_softcap" not in describe()
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny-gpt2\n  logit_softcap: 30\n")
+    cfg = load_config(path, schema=schema)
+    assert cfg.model.logit_softcap == 30.0
+    built = model_config(cfg, 300)
+    assert type(built) is WiderGPTConfig and built.logit_softcap == 30.0
+    with pytest.raises(ConfigError, match=r"unknown key 'model.logit_softcap'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"model.logit_softcap='big' has the wrong type; expected float or null"):
+        load_config(None, ["model.logit_softcap=big"], schema=schema)
+
+
+def test_renamed_keys_still_work_with_a_note():
+    cfg = load_config(None, ["model.bias=false", "model.init_std=0.01", "model.tie_embeddings=false",
+                             "parallel.distributed_optimizer=true", "parallel.recompute=none"])
+    assert (cfg.model.add_bias_linear, cfg.model.init_method_std, cfg.model.tie_word_embeddings) == (False, 0.01, False)
+    assert cfg.parallel.use_distributed_optimizer is True and cfg.parallel.recompute_granularity is None
+    assert cfg.notes == (
+        "config: model.bias is now model.add_bias_linear (the old name still works)",
+        "config: model.init_std is now model.init_method_std (the old name still works)",
+        "config: model.tie_embeddings is now model.tie_word_embeddings (the old name still works)",
+        "config: parallel.distributed_optimizer is now parallel.use_distributed_optimizer (the old name still works)",
+        "config: parallel.recompute is now parallel.recompute_granularity (the old name still works)",
+    )
+    assert load_config(None, ["parallel.recompute=full"]).parallel.recompute_granularity == "full"
+    assert "recompute_granularity: full" in load_config(None, ["parallel.recompute=full"]).to_yaml()
+    assert load_config(None, ["model.add_bias_linear=false"]).notes == ()
+    with pytest.raises(ConfigError, match=r"both model.bias and model.add_bias_linear are set"):
+        load_config(None, ["model.bias=false", "model.add_bias_linear=true"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.adam_beta2=1.5", r"optimizer.adam_beta2 must be in \[0, 1\)"),  # OptimizerConfig's own check
+        ("parallel.recompute_num_layers=2", r"recompute.num_layers only applies to granularity='full'"),
+        ("parallel.overlap_param_gather=true", r"overlap_param_gather needs optimizer.use_distributed_optimizer"),
+        ("parallel.tp=0", r"parallel.tp must be a positive integer, got 0"),
+        ("log.interval=0", r"log.interval must be >= 1, got 0"),
+        ("checkpoint.interval=-1", r"checkpoint.interval must be >= 0, got -1"),
+        ("parallel.recompute_granularity=none", r"parallel.recompute_granularity='none' has the wrong type"),
+    ],
+)
+def test_each_constraint_is_the_owning_dataclass(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_a_key_of_another_family_is_an_error():
+    from mg_cli.training import TrainingError
+    from mg_cli.training.build import model_config
+    from mg_cli.training.data import dataset_config
+
+    with pytest.raises(TrainingError, match=r"data.masked_lm_prob is not used by GPT \(model.type=gpt\); it is a key "
+                                            r"of model.type=bert"):
+        dataset_config(load_config(None, ["data.masked_lm_prob=0.2"]), None, None)
+    with pytest.raises(TrainingError, match=r"model.num_decoder_layers is not used by GPT"):
+        model_config(load_config(None, ["model.preset=tiny-gpt2", "model.num_decoder_layers=2"]), 300)
+    gpt = model_config(load_config(None, ["model.preset=tiny-gpt2", "model.dropout=0.1",
+                                          "model.hidden_dropout=0.2"]), 300)
+    assert (gpt.attention_dropout, gpt.hidden_dropout) == (0.1, 0.2)  # model.dropout sets what is not given
+
+
+def test_list_keys_shows_every_key_with_its_docstring():
+    from mg_cli.config import describe
+
+    listing = describe()
+    for key in all_keys():
+        section, name = key.split(".")
+        assert f"  {name}: " in listing or f"#   {key} -> " in listing, key
+    assert "  add_bias_linear: None  # bool or null [gpt/bert]; Biases on the attention and MLP linear layers." \
+        in listing.splitlines()
+    assert "  tp: 1  # int; Tensor-parallel size: each layer's weights are split over this many ranks." \
+        in listing.splitlines()
