@@ -289,6 +289,13 @@ def test_preprocess_round_trip_equals_in_memory(sp_model, tmp_path):
     for i in range(len(train)):
         a, b = train[i], memory[i]
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # output prefixes work as blend entries, split by conversations and mixed by weight
+    train, valid, _ = build_sft_datasets(SFTDatasetConfig(seq_length=256, split="9,1"),
+                                         ["0.7", str(tmp_path / "w1"), "0.3", str(tmp_path / "w2")], (60, 10, None))
+    assert len(train) == 60 and len(valid) == 10
+    assert sorted(set(int(train[i]["dataset_id"]) for i in range(60))) == [0, 1]
+    valid_items = [int(c) for d in valid.datasets for c in d.pack_items]
+    assert round(0.9 * len(ref)) == min(valid_items) and max(valid_items) == len(ref) - 1
 
 
 def test_indexed_conversations_checks_the_pair(tmp_path):

@@ -388,6 +388,7 @@ def _process_sft(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict
         for b in range(0, len(rendered), _SFT_BATCH):
             if too_long:
                 break
+            kept = []
             for rel, (tokens, mask) in zip(rels[b:b + _SFT_BATCH],
                                            tokenize_rendered(rendered[b:b + _SFT_BATCH], _STATE["tok"])):
                 fitted = fit_length(tokens, mask, limit, cfg.on_long)
@@ -398,10 +399,15 @@ def _process_sft(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict
                     stats["dropped"] += 1
                     continue
                 stats["truncated"] += len(fitted[0]) < len(tokens)
-                stats["tokens"]["text"] += len(fitted[0])
-                stats["tokens"]["loss_mask"] += int(fitted[1].sum())
-                tb.add_document(fitted[0])
-                mb.add_document(fitted[1])
+                kept.append(fitted)
+            if kept:
+                lengths = np.array([len(t) for t, _ in kept], dtype=np.int64)
+                masks = np.concatenate([m for _, m in kept])
+                # ids are below vocab_size, which chose the dtype, so the cast cannot wrap
+                tb.add_batch(np.concatenate([t for t, _ in kept]).astype(tb.dtype), lengths)
+                mb.add_batch(masks, lengths)
+                stats["tokens"]["text"] += int(lengths.sum())
+                stats["tokens"]["loss_mask"] += int(masks.sum(dtype=np.int64))
         if "error" in stats:
             tb.abort()
             mb.abort()

@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,7 +32,6 @@ from mg_data.tokenizers import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 ON_LONG = ("error", "truncate", "drop")
-TEMPLATE_NAMES = ("auto", "chatml", "tokenizer")
 TOKENS_SUFFIX, MASK_SUFFIX = "_text_document", "_loss_mask_document"
 # Private-use characters wrapped around {% generation %} blocks while rendering.
 _GEN_OPEN, _GEN_CLOSE = "\ue000", "\ue001"
@@ -369,7 +369,6 @@ def load_chat_template(name: str = "auto", tokenizer_path: str | os.PathLike[str
     raise ChatTemplateError(f"unknown chat template {name!r}; use auto, chatml, tokenizer or a .jinja file path")
 
 
-
 def _pieces(rendered: RenderedText) -> list[tuple[str, bool]]:
     cuts: list[tuple[str, bool]] = []
     pos = 0
@@ -394,8 +393,7 @@ def tokenize_rendered(rendered: Sequence[RenderedText], tokenizer: Tokenizer) ->
     out = []
     for p in pieces:
         toks = [ids[t] for t, _ in p]
-        n = sum(len(t) for t in toks)
-        tokens = np.fromiter((i for t in toks for i in t), dtype=np.int64, count=n)
+        tokens = np.fromiter(chain.from_iterable(toks), dtype=np.int64, count=sum(len(t) for t in toks))
         mask = np.repeat(np.array([int(m) for _, m in p], dtype=np.uint8), [len(t) for t in toks])
         out.append((tokens, mask))
     return out

@@ -24,6 +24,7 @@ from mg_data.sft import ON_LONG, ConversationList, IndexedConversations, sft_pre
 PACKING = ("best_fit", "sequential", "none")
 _INDEX_VERSION = 1
 
+
 def pack_sequential(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     """Positions of ``sizes`` grouped in order: a new bin whenever the next item does not fit."""
     bins: list[list[int]] = []
