@@ -63,8 +63,8 @@ def _hf_loss_of(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _gpt_family(kind: str, num_labels: int) -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, num_labels=num_labels, pad_token_id=PAD)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
         cls = transformers.GPT2ForSequenceClassification
     else:
         cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -268,3 +268,18 @@ def test_parameter_count_and_flops_of_classification_models(name):
     with counter, sdpa_kernel(SDPBackend.MATH):
         model(ids, attention_mask=mask, labels=_labels(3)).sum().backward()
     assert flops_per_token(config, S) == pytest.approx(counter.get_total_flops() / (B * S), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_classification_pipeline_stages_equal_full_model(name):
+    cls, fields = CONFIGS[name]
+    model_cls = GPTModel if cls is GPTConfig else BertModel
+    config = cls(**fields)
+    full = model_cls(config, seed=9)
+    stage0 = model_cls(config, post_process=False, layer_range=(0, 1), seed=9)
+    stage1 = model_cls(config, pre_process=False, layer_range=(1, 2), seed=9)
+    ids, mask = _inputs()
+    with torch.no_grad():
+        stage1.set_input_tensor(stage0(ids, attention_mask=mask))
+        torch.testing.assert_close(stage1(ids, attention_mask=mask, labels=_labels(3)),
+                                   full(ids, attention_mask=mask, labels=_labels(3)), atol=1e-6, rtol=1e-6)
