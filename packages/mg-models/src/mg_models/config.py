@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "check_parallel"]
+__all__ = ["GPTConfig", "ModelConfigBase", "check_parallel"]
 
 _POSITION_EMBEDDINGS = ("learned", "rope", "none")
 _NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -18,8 +18,34 @@ _ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 _HEADS = ("lm", "classification")
 
 
+class ModelConfigBase:
+    """What every model config dataclass (GPT, BERT, T5) has: the padded vocabulary and its dict form."""
+
+    vocab_size: int
+    make_vocab_size_divisible_by: int
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp, so checkpoints reshard)."""
+        m = self.make_vocab_size_divisible_by
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable) for checkpoints and configs."""
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
+        known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**d)
+
+
 @dataclass(kw_only=True)
-class GPTConfig:
+class GPTConfig(ModelConfigBase):
     """Architecture of a decoder-only transformer language model (pre-norm, causal)."""
 
     num_layers: int
@@ -148,26 +174,6 @@ class GPTConfig:
     def has_lm_head(self) -> bool:
         """Whether the model ends in the vocabulary projection (head "lm") rather than a classification head."""
         return self.head == "lm"
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp, so checkpoints reshard)."""
-        m = self.make_vocab_size_divisible_by
-        return ((self.vocab_size + m - 1) // m) * m
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (JSON-serialisable) for checkpoints and configs."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; valid keys are {sorted(known)}")
-        return cls(**d)
-
 
 def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     """Check that a tp/pp layout fits ``config`` (a GPTConfig, BertConfig or T5Config): the one place it is checked.

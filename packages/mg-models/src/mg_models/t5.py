@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mg_models.config import check_parallel
+from mg_models.config import ModelConfigBase, check_parallel
 from mg_models.init import normal_init
 from mg_models.layers import RMSNorm, TiedGradient, gelu_tanh, tied_embedding, tied_projection
 from mg_models.spec import BuildContext
@@ -49,7 +49,7 @@ WORD_EMBEDDING = "word_embeddings.weight"
 
 
 @dataclass(kw_only=True)
-class T5Config:
+class T5Config(ModelConfigBase):
     """Architecture of a T5 encoder-decoder."""
 
     num_layers: int
@@ -120,24 +120,6 @@ class T5Config:
     def scale_output(self) -> bool:
         """Whether the decoder output is scaled by hidden_size**-0.5 before the head."""
         return self.tie_word_embeddings if self.scale_decoder_output is None else self.scale_decoder_output
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp)."""
-        m = self.make_vocab_size_divisible_by
-        return ((self.vocab_size + m - 1) // m) * m
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (JSON-serialisable)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> T5Config:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown T5 config keys {unknown}; valid keys are {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
 
 def _t5(layers: int, hidden: int, heads: int, ffn: int, **kw: Any) -> dict[str, Any]:
