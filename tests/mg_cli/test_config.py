@@ -231,8 +231,8 @@ def test_a_key_of_another_family_is_an_error():
     from mg_cli.training.build import model_config
     from mg_cli.training.data import dataset_config
 
-    with pytest.raises(TrainingError, match=r"data.masked_lm_prob is not used by GPT \(model.type=gpt\); it is a key "
-                                            r"of model.type=bert"):
+    with pytest.raises(TrainingError, match=r"data.masked_lm_prob is not used by GPT \(model.type=gpt\); it is only "
+                                            r"used by model.type=bert"):
         dataset_config(load_config(None, ["data.masked_lm_prob=0.2"]), None, None)
     with pytest.raises(TrainingError, match=r"model.num_decoder_layers is not used by GPT"):
         model_config(load_config(None, ["model.preset=tiny-gpt2", "model.num_decoder_layers=2"]), 300)

@@ -75,7 +75,7 @@ class RunConfig:
             fams = key.families
             if fams is not None and family not in fams and key.name not in allow:
                 raise ConfigError(f"{section}.{key.name} is not used by {family.upper()} (model.type={family}); "
-                                  f"it is a key of model.type={'/'.join(fams)}; leave it unset")
+                                  f"it is only used by model.type={'/'.join(fams)}; leave it unset")
         return next(src.resolve() for src in spec.sources if src.family == family)
 
 

@@ -425,7 +425,8 @@ def train_sentencepiece(inputs: Sequence[str | os.PathLike[str]], model_prefix: 
         head = list(islice(pieces, 1000))
         sentences: Iterator[str] = chain(head, pieces)
         # the sample stays about input_sentence_size lines, as in line-by-line training
-        options["input_sentence_size"] = max(1, round(input_sentence_size / _lines_per_piece(head)))
+        # (SentencePiece accepts no sample of 1..100 sentences: such a request takes 101)
+        options["input_sentence_size"] = max(101, round(input_sentence_size / _lines_per_piece(head)))
         options.update(normalization_rule_name="identity", remove_extra_whitespaces=False,
                        add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_by_whitespace=True)
     else:

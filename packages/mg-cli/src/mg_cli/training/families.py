@@ -73,6 +73,8 @@ def model_config(config: RunConfig, vocab_size: int) -> Any:
         cls = config.family_class("model", allow=("dropout",))
     except ConfigError as e:
         raise TrainingError(str(e)) from None
+    if m.type != "t5" and m.decoder_seq_length is not None:
+        raise TrainingError(f"model.decoder_seq_length is only used by model.type=t5; leave it unset for {m.type}")
     if m.type == "gpt" and m.activation in ("relu", "gated-gelu"):
         raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
     fields = {**_preset_fields(config), **config.values_for(cls)}
