@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mg_cli.commands.generate:generate", "Continue prompts with a trained checkpoint (KV cache)."),
     "inspect": ("mg_cli.commands.inspect:inspect", "Describe and verify a dataset prefix or a checkpoint."),
     "plot": ("mg_cli.commands.plot:plot", "Render a run's loss and throughput curves to a PNG."),
+    "eval": ("mg_cli.commands.eval:eval_command", "Evaluate a checkpoint: perplexity, zero-shot, task metrics, pass@k."),
 }
 
 

@@ -1,0 +1,169 @@
+"""Building the evaluation model at a parallel layout: one process, or tp x pp x dp ranks of a job.
+
+Every rank builds its part of the model (its tensor-parallel shard of its pipeline stage's
+layers) and fills it with exactly the slices it holds: from an mg checkpoint of any layout through
+mg-ckpt's resharding load (as ``mg train`` resumes), from a Hugging Face directory by slicing the
+unsharded tensors. A pipeline-split model is run as a :class:`PipelineRunner`, whose forward passes
+the hidden states stage to stage and gives every rank the last stage's logits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mg_cli.evaluation.runner import ModelRunner, load_model
+
+__all__ = ["PipelineRunner", "build_runner"]
+
+
+def _fill_from_state(model: torch.nn.Module, grid: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy each parameter's slice of the unsharded ``state`` (mg names) into this rank's shard."""
+    from mg_cli.training.checkpointing import WORD_EMBEDDING, model_state
+
+    for key, piece in model_state([model], grid, for_load=True).items():
+        name = key.removeprefix("model/").removesuffix("#tied")
+        full = state[name] if name in state else state[WORD_EMBEDDING]  # a tied head reads the embedding
+        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local.shape))
+        piece.local.copy_(full[index])
+
+
+def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+                 max_length: int | None = None) -> tuple[Any, dict[str, Any], dict[str, int]]:
+    """``(runner, checkpoint state, {"rank", "tp", "pp", "dp", "processes"})`` for this process.
+
+    Without ``torch.distributed`` variables (one process) the whole model runs here; otherwise the
+    default process group is joined and the grid built with dp = world / (tp * pp).
+
+    Raises:
+        ValueError: a layout that does not fit the world size or the model.
+    """
+    from mg_cli.training.setup import init_distributed, read_env
+
+    env = read_env()
+    if env.world_size == 1 and tp == pp == 1:
+        from mg_parallel.device import local_device
+
+        model, extra = load_model(checkpoint, dtype=dtype, device=local_device())
+        return (ModelRunner(model, max_length=max_length), extra,
+                {"rank": 0, "tp": 1, "pp": 1, "dp": 1, "processes": 1})
+    if env.world_size % (tp * pp):
+        raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide {env.world_size} processes")
+    init_distributed(env)
+    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint
+    from mg_models.config import check_parallel
+    from mg_parallel.grid import ParallelDims, build_grid
+
+    if is_mg_checkpoint(checkpoint):
+        from mg_ckpt import CheckpointReader
+
+        extra = CheckpointReader(os.fspath(checkpoint), verify=False).extra
+        config, state = config_from_state(extra, os.fspath(checkpoint)), None
+    else:
+        from mg_models.hf import read_hf_directory
+
+        config, state, _ = read_hf_directory(checkpoint)
+        extra = {}
+    check_parallel(config, tp=tp, pp=pp)
+    grid = build_grid(ParallelDims(tp=tp, pp=pp))
+    model = _stage_model(config, grid, dtype)
+    if state is None:
+        from mg_cli.training.checkpointing import load
+
+        load(os.fspath(checkpoint), [model], None, grid, load_optimizer=False)
+    else:
+        _fill_from_state(model, grid, state)
+    info = {"rank": grid.rank, "tp": tp, "pp": pp, "dp": grid.dp_size, "processes": grid.world_size}
+    cls = PipelineRunner if pp > 1 else ModelRunner
+    runner = cls(model, max_length=max_length, dp_group=grid.dp_group if grid.dp_size > 1 else None)
+    runner.grid = grid
+    return runner, extra, info
+
+
+def _stage_model(config: Any, grid: Any, dtype: torch.dtype | None) -> torch.nn.Module:
+    """This rank's model: its pipeline stage's layers, its tensor-parallel shard (random until loaded)."""
+    from mg_models import GPTModel
+    from mg_models.bert import BertConfig, BertModel
+    from mg_models.t5 import T5Config, T5Model
+    from mg_parallel.pipeline import partition_layers
+
+    if isinstance(config, T5Config):
+        return T5Model(config, grid, dtype=dtype)
+    cls = BertModel if isinstance(config, BertConfig) else GPTModel
+    (layers,) = partition_layers(config.num_layers, grid.pp_size)[grid.pp_rank]
+    model = cls(config, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
+                layer_range=(layers.start, layers.stop), dtype=dtype)
+    model.gather_logits_default = True
+    return model.eval()
+
+
+class PipelineRunner(ModelRunner):
+    """A :class:`ModelRunner` over pipeline stages: each forward goes stage to stage (blocking sends of the
+    ``[s, b, h]`` hidden states) and the last stage's outputs are broadcast to the whole pipeline.
+
+    Generation recomputes the whole prefix at every step (no key/value cache across stages).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None) -> None:
+        super().__init__(model, max_length=max_length, dp_group=dp_group)
+        if self.family == "t5":
+            raise ValueError("T5 cannot be split into pipeline stages; use parallel.pp=1")
+
+    def _pipelined(self, ids: torch.Tensor, out_shape: Sequence[int], **kwargs: Any) -> torch.Tensor:
+        grid, model = self.grid, self.model
+        b, s = ids.shape
+        hidden_dtype = next(model.parameters()).dtype
+        if not grid.is_first_stage:
+            x = torch.empty(s, b, self.config.hidden_size, dtype=hidden_dtype, device=self.device)
+            dist.recv(x, src=grid.pp_ranks[grid.pp_rank - 1], group=grid.pp_group)
+            model.set_input_tensor(x)
+        out = model(ids, **kwargs)
+        if not grid.is_last_stage:
+            dist.send(out.contiguous(), dst=grid.pp_ranks[grid.pp_rank + 1], group=grid.pp_group)
+            out = torch.empty(*out_shape, dtype=torch.float32, device=self.device)
+        else:
+            out = out.float().contiguous()
+        dist.broadcast(out, src=grid.pp_ranks[-1], group=grid.pp_group)
+        return out
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
+            return super().logits(ids)  # raises the one-process error
+        return self._pipelined(ids, (*ids.shape, self.config.vocab_size), gather_logits=True)
+
+    @torch.no_grad()
+    def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None
+                 ) -> torch.Tensor:
+        if getattr(self.config, "head", "lm") != "classification":
+            return super().classify(ids, attention_mask, token_type_ids)
+        shape = (ids.shape[0], self.config.num_labels)
+        if self.family == "bert":
+            return self._pipelined(ids, shape, token_type_ids=token_type_ids, attention_mask=attention_mask)
+        return self._pipelined(ids, shape, attention_mask=attention_mask)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, stop_token_ids: Sequence[int] = (), decoder_start_token_id: int = 0
+                 ) -> list[list[int]]:
+        from mg_models import SamplingConfig
+        from mg_models.generation import sample_next
+
+        config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if temperature > 0 else None
+        out: list[list[int]] = []
+        for prompt in prompts:  # one row at a time: no padding, so each row decodes as alone
+            seq, new = list(prompt), []
+            for _ in range(max_new_tokens):
+                ids = torch.as_tensor([seq], dtype=torch.long, device=self.device)
+                token = int(sample_next(self.logits(ids)[:, -1], config, generator)[0])
+                seq.append(token)
+                new.append(token)
+                if token in stop_token_ids:
+                    break
+            out.append(new)
+        return out

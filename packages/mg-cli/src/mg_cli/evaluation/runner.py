@@ -1,0 +1,128 @@
+"""The model at its layout, behind the few calls evaluation needs.
+
+A :class:`ModelRunner` holds one model replica (a whole model on one process, or this rank's
+tensor-parallel shard) and answers ``logits``, ``classify`` and ``generate`` for a batch; every
+tensor-parallel rank gets the same full-vocabulary results. ``map_examples`` deals examples to the
+data-parallel ranks round-robin and gathers the results back in their original order, so every
+rank ends with the same list whatever dp is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["ModelRunner", "default_tokenizer", "load_model"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def load_model(checkpoint: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``(single-process model, checkpoint state)`` of an mg checkpoint (any family and layout) or a Hugging
+    Face directory (state ``{}``).
+
+    Raises:
+        FileNotFoundError, ValueError, mg_ckpt.CheckpointError: as :func:`mg_models.load_pretrained`.
+    """
+    from mg_cli.checkpoints import is_mg_checkpoint, read_mg_checkpoint
+    from mg_models import load_pretrained, model_from_state
+
+    if is_mg_checkpoint(checkpoint):
+        config, state, extra = read_mg_checkpoint(checkpoint)
+        return model_from_state(config, state, dtype=dtype, device=device), extra
+    return load_pretrained(checkpoint, dtype=dtype, device=device), {}
+
+
+def default_tokenizer(checkpoint: str | os.PathLike[str], extra: dict[str, Any]) -> str | None:
+    """The tokenizer an mg checkpoint records, else a ``tokenizer.json``/``tokenizer.model`` in a model directory."""
+    if extra.get("tokenizer_model"):
+        return str(extra["tokenizer_model"])
+    for name in ("tokenizer.json", "tokenizer.model", "spiece.model"):
+        if (Path(checkpoint) / name).is_file():
+            return str(Path(checkpoint) / name)
+    return None
+
+
+class ModelRunner:
+    """One replica of a model (GPT, BERT or T5; whole, or this rank's tensor-parallel shard).
+
+    Args:
+        model: the model (pre_process and post_process on this rank).
+        max_length: context length (tokens); default the config's ``max_position_embeddings``.
+        dp_group: the data-parallel process group (None: one replica, no collectives).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.max_length = int(max_length or self.config.max_position_embeddings)
+        self.dp_group = dp_group
+        self.device = next(model.parameters()).device
+
+    @property
+    def family(self) -> str:
+        from mg_models.bert import BertConfig
+        from mg_models.t5 import T5Config
+
+        return "t5" if isinstance(self.config, T5Config) else "bert" if isinstance(self.config, BertConfig) else "gpt"
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[b, s, vocab_size]`` of a causal LM for right-padded ``ids [b, s]``."""
+        if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
+            raise ValueError(f"log-likelihood tasks need a GPT-family language model, not a {self.family} "
+                             f"model with head {getattr(self.config, 'head', 'lm')!r}")
+        return self.model(ids, gather_logits=True)
+
+    @torch.no_grad()
+    def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """Class logits ``[b, num_labels]`` of a classification-head model."""
+        if getattr(self.config, "head", "lm") != "classification":
+            raise ValueError("classification tasks need a model with a classification head (model.head="
+                             "classification, or a Hugging Face *ForSequenceClassification directory)")
+        if self.family == "bert":
+            return self.model(ids, token_type_ids, attention_mask)
+        return self.model(ids, attention_mask=attention_mask)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, stop_token_ids: Sequence[int] = (), decoder_start_token_id: int = 0
+                 ) -> list[list[int]]:
+        """Generated ids of each prompt (GPT continues it; T5 decodes a target for it), with a KV cache."""
+        from mg_models import SamplingConfig, generate, generate_seq2seq
+
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                  stop_token_ids=tuple(stop_token_ids))
+        if self.family == "t5":
+            return generate_seq2seq(self.model, prompts, sampling, decoder_start_token_id=decoder_start_token_id).tokens
+        if self.family == "bert":
+            raise ValueError("generation tasks need a GPT or T5 model; BERT is encoder-only")
+        return generate(self.model, prompts, sampling).tokens
+
+    # -- data parallelism ------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.dp_group is None else torch.distributed.get_rank(self.dp_group)
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp_group is None else torch.distributed.get_world_size(self.dp_group)
+
+    def map_examples(self, items: list[T], fn: Callable[[list[T]], list[R]]) -> list[R]:
+        """``fn`` over ``items``: this dp rank takes items rank, rank + dp, ...; results come back in order on every rank."""
+        if self.dp_size == 1:
+            return fn(items)
+        rank, size = self.dp_rank, self.dp_size
+        local = fn(items[rank::size])
+        gathered: list[Any] = [None] * size
+        torch.distributed.all_gather_object(gathered, local, group=self.dp_group)
+        out: list[Any] = [None] * len(items)
+        for r, results in enumerate(gathered):
+            out[r::size] = results
+        return out
