@@ -4,6 +4,14 @@ __version__ = "0.1.0"
 
 from mg_data.bert_dataset import BertDataset, BertDatasetConfig, NotSentenceSplitError, build_bert_datasets
 from mg_data.blended import BlendedDataset, build_blending_indices
+from mg_data.classification import (
+    ClassificationDataset,
+    ClassificationDatasetConfig,
+    IndexedClassificationExamples,
+    build_classification_datasets,
+    tokenize_classification_jsonl,
+)
+from mg_data.finetune import BadExampleError, ExampleFields, IndexedExampleFields
 from mg_data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets, make_sample, parse_blend
 from mg_data.indexed import (
     IndexedDataset,
@@ -15,6 +23,12 @@ from mg_data.indexed import (
 from mg_data.jsonl import BadLineError
 from mg_data.preprocess import PreprocessConfig, PreprocessSummary, ProgressInfo, run_preprocess
 from mg_data.sampler import GlobalBatchSampler
+from mg_data.seq2seq import (
+    Seq2SeqDataset,
+    Seq2SeqDatasetConfig,
+    build_seq2seq_datasets,
+    tokenize_seq2seq_jsonl,
+)
 from mg_data.sft import (
     BadConversationError,
     ChatMLTemplate,
@@ -35,6 +49,7 @@ from mg_data.tokenizers import Tokenizer, build_tokenizer, train_sentencepiece
 
 __all__ = [
     "BadConversationError",
+    "BadExampleError",
     "BadLineError",
     "BertDataset",
     "BertDatasetConfig",
@@ -42,14 +57,19 @@ __all__ = [
     "ChatMLTemplate",
     "ChatTemplate",
     "ChatTemplateError",
+    "ClassificationDataset",
+    "ClassificationDatasetConfig",
     "ConversationList",
+    "ExampleFields",
     "GPTDataset",
     "GPTDatasetConfig",
     "GlobalBatchSampler",
+    "IndexedClassificationExamples",
     "IndexedConversations",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "IndexedDatasetError",
+    "IndexedExampleFields",
     "JinjaChatTemplate",
     "NotSentenceSplitError",
     "PreprocessConfig",
@@ -57,12 +77,16 @@ __all__ = [
     "ProgressInfo",
     "SFTDataset",
     "SFTDatasetConfig",
+    "Seq2SeqDataset",
+    "Seq2SeqDatasetConfig",
     "T5Dataset",
     "T5DatasetConfig",
     "Tokenizer",
     "build_bert_datasets",
     "build_blending_indices",
+    "build_classification_datasets",
     "build_gpt_datasets",
+    "build_seq2seq_datasets",
     "build_sft_datasets",
     "build_t5_datasets",
     "build_tokenizer",
@@ -75,6 +99,8 @@ __all__ = [
     "read_conversations",
     "render_conversation",
     "run_preprocess",
+    "tokenize_classification_jsonl",
     "tokenize_jsonl",
+    "tokenize_seq2seq_jsonl",
     "train_sentencepiece",
 ]

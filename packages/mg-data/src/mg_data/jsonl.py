@@ -18,10 +18,13 @@ class BadLineError(ValueError):
         path: the input file; line: its 1-based line number (None when unknown); reason: what is wrong.
     """
 
+    hint = " (fix the line, or pass --skip-bad-lines to skip and count it)"
+    """Appended to the message; subclasses raised where no line can be skipped set it to ``""``."""
+
     def __init__(self, path: str, line: int | None, reason: str) -> None:
         self.path, self.line, self.reason = path, line, reason
         where = f"{path}:{line}" if line is not None else path
-        super().__init__(f"{where}: {reason} (fix the line, or pass --skip-bad-lines to skip and count it)")
+        super().__init__(f"{where}: {reason}{self.hint}")
 
 
 def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -68,38 +71,47 @@ def open_binary(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
+def load_json_line(raw: bytes | str, path: str, line: int | None, error: type[BadLineError] = BadLineError) -> Any:
+    """The parsed JSON value of one line.
+
+    Raises:
+        error (a BadLineError): invalid UTF-8 or malformed JSON.
+    """
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise error(path, line, f"invalid UTF-8 at byte {e.start}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
+
+
 def parse_line(raw: bytes, keys: Sequence[str], path: str, line: int | None) -> list[str]:
     """The string values of ``keys`` in one JSONL line.
 
     Raises:
         BadLineError: invalid UTF-8, malformed JSON, not an object, a missing key or a non-string value.
     """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadLineError(path, line, f"invalid UTF-8 at byte {e.start}") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadLineError(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
-    return values_of(obj, keys, path, line)
+    return values_of(load_json_line(raw, path, line), keys, path, line)
 
 
-def values_of(obj: Any, keys: Sequence[str], path: str, line: int | None) -> list[str]:
+def values_of(obj: Any, keys: Sequence[str], path: str, line: int | None,
+              error: type[BadLineError] = BadLineError) -> list[str]:
     """``[obj[k] for k in keys]``, checking that ``obj`` is an object with string values.
 
     Raises:
-        BadLineError: as ``parse_line``.
+        error (a BadLineError): as ``parse_line``.
     """
     if not isinstance(obj, dict):
-        raise BadLineError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+        raise error(path, line, f"expected a JSON object, got {type(obj).__name__}")
     out = []
     for k in keys:
         if k not in obj:
-            raise BadLineError(path, line, f"missing key {k!r}")
+            raise error(path, line, f"missing key {k!r}")
         v = obj[k]
         if not isinstance(v, str):
-            raise BadLineError(path, line, f"key {k!r} holds {type(v).__name__}, expected a string")
+            raise error(path, line, f"key {k!r} holds {type(v).__name__}, expected a string")
         out.append(v)
     return out
 

@@ -10,7 +10,9 @@ often the run was interrupted.
 
 ``format="sft"`` reads conversations instead (see ``mg_data.sft``) and writes
 ``OUTPUT_PREFIX_text_document`` and ``OUTPUT_PREFIX_loss_mask_document`` (uint8), one sequence
-per conversation, with identical lengths.
+per conversation, with identical lengths. ``format="classification"`` and ``format="seq2seq"``
+write one sequence per example to each field's dataset (see ``mg_data.classification`` and
+``mg_data.seq2seq``); classification labels get their final ids when the partitions are merged.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from mg_data import classification, seq2seq
+from mg_data.finetune import encode_texts
 from mg_data.indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, optimal_dtype
 from mg_data.jsonl import (
     BadLineError,
@@ -98,13 +102,18 @@ class PreprocessConfig:
     """Worker start method: ``fork`` or ``spawn``; None picks ``fork`` when this process runs a
     single Python thread on Linux (fast start), else ``spawn``."""
     format: str = "text"
-    """``text`` (documents under json_keys) or ``sft`` (conversations: tokens + loss-mask outputs)."""
+    """``text`` (documents under json_keys), ``sft`` (conversations: tokens + loss-mask outputs),
+    ``classification`` (text, text_pair, label) or ``seq2seq`` (input, target)."""
     chat_template: str = "auto"
     """SFT only: ``auto``, ``chatml``, ``tokenizer`` or a ``.jinja`` file (see ``load_chat_template``)."""
     seq_length: int | None = None
     """SFT only: the training sequence length; a conversation fits with at most seq_length + 1 tokens."""
     on_long: str = "error"
     """SFT only: a conversation over seq_length + 1 tokens: ``error``, ``truncate`` or ``drop``."""
+    labels: Sequence[str] | None = None
+    """Classification only: the label names in id order; None sorts the string labels found."""
+    num_labels: int | None = None
+    """Classification only: the number of classes (integer labels must lie below it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
@@ -126,8 +135,8 @@ class PreprocessConfig:
         if self.tokenizer_model is None and (self.tokenizer_type or "").lower() not in (
                 "nulltokenizer", "null", "bytetokenizer", "byte"):
             raise ValueError("tokenizer_model is required unless tokenizer_type is NullTokenizer/ByteTokenizer")
-        if self.format not in ("text", "sft"):
-            raise ValueError(f"format must be 'text' or 'sft', got {self.format!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.on_long not in ON_LONG:
             raise ValueError(f"on_long must be one of {', '.join(ON_LONG)}, got {self.on_long!r}")
         if self.seq_length is not None and self.seq_length < 1:
@@ -138,6 +147,17 @@ class PreprocessConfig:
                                  "(the chat template ends every turn)")
             if list(self.json_keys) != ["text"]:
                 raise ValueError("json_keys do not apply to format=sft (lines hold messages or prompt/completion)")
+        if self.format in _EXAMPLE_FIELDS:
+            if self.split_sentences or self.append_eod or list(self.json_keys) != ["text"]:
+                raise ValueError(f"split_sentences, append_eod and json_keys do not apply to format={self.format} "
+                                 f"(lines hold {', '.join(_EXAMPLE_FIELDS[self.format])})")
+            if self.seq_length is not None or self.on_long != "error":
+                raise ValueError(f"seq_length and on_long do not apply to format={self.format}: examples are stored "
+                                 "whole and the dataset config cuts them to its sequence lengths")
+        if self.format == "classification":
+            self.labels = classification.check_label_options(self.labels, self.num_labels)
+        elif self.labels is not None or self.num_labels is not None:
+            raise ValueError("labels and num_labels apply to format=classification only")
 
     @property
     def level(self) -> str:
@@ -145,8 +165,10 @@ class PreprocessConfig:
         return "sentence" if self.split_sentences else "document"
 
     def output_prefixes(self) -> dict[str, str]:
-        """Output prefix of each JSON key (SFT: of ``text`` and ``loss_mask``)."""
-        keys = ("text", "loss_mask") if self.format == "sft" else self.json_keys
+        """Output prefix of each JSON key (SFT: of ``text`` and ``loss_mask``; classification: ``text``,
+        ``text_pair`` and ``label``; seq2seq: ``input`` and ``target``)."""
+        keys = {**_EXAMPLE_FIELDS, "sft": ("text", "loss_mask"),
+                "classification": classification.FIELDS + (classification.LABEL_FIELD,)}.get(self.format, self.json_keys)
         return {k: f"{self.output_prefix}_{k}_{self.level}" for k in keys}
 
     def output_dtype(self, key: str, vocab_size: int) -> np.dtype[Any]:
@@ -157,6 +179,10 @@ class PreprocessConfig:
         """Picklable recipe of the tokenizer (rebuilt in each worker)."""
         kwargs = {"vocab_size": self.vocab_size} if self.vocab_size is not None else {}
         return TokenizerSpec(self.tokenizer_model, self.tokenizer_type, kwargs)
+
+
+FORMATS = ("text", "sft", "classification", "seq2seq")
+_EXAMPLE_FIELDS = {"classification": classification.FIELDS, "seq2seq": seq2seq.FIELDS}
 
 
 @dataclass
@@ -199,6 +225,10 @@ class PreprocessSummary:
     """SFT: conversations cut to seq_length + 1 tokens (``on_long="truncate"``) and kept."""
     dropped: int = 0
     """SFT: conversations left out (too long with ``on_long="drop"``, or without a loss token)."""
+    pairs: int = 0
+    """Classification: examples with a ``text_pair``."""
+    labels: dict[str, Any] | None = None
+    """Classification: what ``OUTPUT_PREFIX_labels.json`` holds (``label_names``, ``num_labels``, ``label_counts``)."""
     blank_lines: int = 0
     """Whitespace-only lines (skipped)."""
     input_bytes: int = 0
@@ -309,6 +339,8 @@ def _process(task: _Task) -> dict[str, Any]:
                              "tokens": {k: 0 for k in keys}, "empty": {k: 0 for k in keys}}
     if cfg.format == "sft":
         return _process_sft(task, lines, stats)
+    if cfg.format in _EXAMPLE_FIELDS:
+        return _process_examples(task, lines, stats)
     columns: list[list[str]] = [[] for _ in cfg.json_keys]
     for rel, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -412,6 +444,39 @@ def _process_sft(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict
             tb.abort()
             mb.abort()
             return stats
+    return _mark_done(_STATE["parts_dir"], task.index, stats)
+
+
+def _process_examples(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict[str, Any]:
+    """Tokenise the examples of one partition into one partial per field (and, for classification,
+    labels with partition-local ids for string labels; ``write_labels`` makes them final)."""
+    cfg: PreprocessConfig = _STATE["config"]
+    encoder = (classification.LabelEncoder(cfg.labels, cfg.num_labels) if cfg.format == "classification" else None)
+    rows: list[tuple[Any, ...]] = []
+    for rel, raw in enumerate(lines, 1):
+        if not raw.strip():
+            stats["blank_lines"] += 1
+            continue
+        try:
+            rows.append(classification.parse_classification(raw, task.path, None, encoder, rel, BadLineError)
+                        if encoder is not None else seq2seq.parse_seq2seq(raw, task.path, None, BadLineError))
+        except BadLineError as e:
+            if _bad(stats, rel, e.reason):
+                return stats
+    stats["documents"] = len(rows)
+    for k, field_ in enumerate(_EXAMPLE_FIELDS[cfg.format]):
+        flat, lengths = encode_texts(_STATE["tok"], [r[k] for r in rows], _STATE["dtype"])
+        with IndexedDatasetBuilder(_part_prefix(_STATE["parts_dir"], task.index, field_, cfg.level), _STATE["dtype"],
+                                   durable=False) as builder:
+            builder.add_batch(flat, lengths)
+        stats["tokens"][field_] = int(lengths.sum())
+    if encoder is not None:
+        with IndexedDatasetBuilder(_part_prefix(_STATE["parts_dir"], task.index, "label", cfg.level), np.int32,
+                                   durable=False) as builder:
+            builder.add_batch(np.array([r[2] for r in rows], dtype=np.int32), np.ones(len(rows), dtype=np.int64))
+        stats["tokens"]["label"] = len(rows)
+        stats["pairs"] = sum(r[1] is not None for r in rows)
+        stats["labels"] = encoder.state()
     return _mark_done(_STATE["parts_dir"], task.index, stats)
 
 
@@ -581,7 +646,19 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         raise error(first["path"], _absolute_line(first, rel), reason)
     order = sorted(done_stats)
     level = config.level
-    for key, out in outputs.items():
+    merged = dict(outputs)
+    if config.format == "classification":
+        del merged["label"]
+        summary.pairs = sum(done_stats[i]["pairs"] for i in order)
+        if not summary.pairs:  # single texts only: no text_pair output
+            for d in (merged, outputs, summary.tokens, summary.empty_documents):
+                del d["text_pair"]
+        parts = [(_part_prefix(parts_dir, i, "label", level), done_stats[i]["labels"],
+                  lambda rel, s=done_stats[i]: (s["path"], _absolute_line(s, rel))) for i in order]
+        summary.labels = classification.write_labels(
+            parts, config.output_prefix, config.labels, config.num_labels,
+            sum(done_stats[i]["documents"] for i in order), summary.pairs, durable=config.fsync)
+    for key, out in merged.items():
         with IndexedDatasetBuilder(out, config.output_dtype(key, tok.vocab_size), durable=config.fsync) as builder:
             for i in order:
                 builder.add_index(_part_prefix(parts_dir, i, key, level))

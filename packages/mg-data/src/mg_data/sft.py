@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mg_data.indexed import IndexedDataset
-from mg_data.jsonl import BadLineError, expand_inputs, open_binary
+from mg_data.jsonl import BadLineError, expand_inputs, load_json_line, open_binary
 from mg_data.tokenizers import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -46,9 +46,7 @@ class BadConversationError(BadLineError):
     The message is one line, ``FILE:LINE: reason``. Attributes as ``BadLineError``.
     """
 
-    def __init__(self, path: str, line: int | None, reason: str) -> None:
-        self.path, self.line, self.reason = path, line, reason
-        ValueError.__init__(self, f"{path}:{line}: {reason}" if line is not None else f"{path}: {reason}")
+    hint = ""
 
 
 class ChatTemplateError(ValueError):
@@ -105,13 +103,7 @@ def parse_conversation(raw: bytes | str, path: str, line: int | None) -> Message
     Raises:
         BadConversationError: invalid UTF-8, malformed JSON, or as ``conversation_from_json``.
     """
-    try:
-        obj = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-    except UnicodeDecodeError as e:
-        raise BadConversationError(path, line, f"invalid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise BadConversationError(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
-    return conversation_from_json(obj, path, line)
+    return conversation_from_json(load_json_line(raw, path, line, BadConversationError), path, line)
 
 
 def read_conversations(inputs: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[str, int, Messages]]:
