@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from mg_cli.schema import ConfigError, Schema, Section, check_type, type_name
+from mg_cli.schema import ConfigError, Schema, Section, check_type, type_name, variant_name
 from mg_cli.sections import SCHEMA
 
 __all__ = ["ConfigError", "RunConfig", "all_keys", "describe", "from_dict", "load_config", "parse_override"]
@@ -63,20 +63,26 @@ class RunConfig:
         return cls(**{**self.values_for(cls), **run})
 
     def family_class(self, section: str, allow: tuple[str, ...] = ()) -> type:
-        """The ``model.type`` family's source class of ``section`` (model: GPTConfig, BertConfig, T5Config...).
+        """The source class of ``section`` for this run's ``model.type`` (and ``data.format`` for data):
+        GPTConfig, BertConfig or T5Config for the model, the family's dataset config for data.
 
         Raises:
-            ConfigError: a key of ``section`` is set that the family's class does not have (but those in
-                ``allow``, which the caller maps itself).
+            ConfigError: a key of ``section`` is set that this run does not use (but those in ``allow``,
+                which the caller maps itself), or no class serves this family and format.
         """
-        family = self.model.type
+        family, fmt = self.model.type, self.data.format
         spec = self.schema.spec(section)
         for key in self.sections[section].given():
-            fams = key.families
-            if fams is not None and family not in fams and key.name not in allow:
-                raise ConfigError(f"{section}.{key.name} is not used by {family.upper()} (model.type={family}); "
-                                  f"it is only used by model.type={'/'.join(fams)}; leave it unset")
-        return next(src.resolve() for src in spec.sources if src.family == family)
+            if not key.used_by(family, fmt) and key.name not in allow:
+                run = family.upper() + (f" with data.format={fmt}" if section == "data" and fmt != "pretrain" else "")
+                raise ConfigError(f"{section}.{key.name} is not used by {run} (model.type={family}); it is only "
+                                  f"used by model.type={'/'.join(key.variants or ())}; leave it unset")
+        for src in spec.sources:
+            if src.family in (None, family) and src.format in (None, fmt):
+                return src.resolve()
+        served = ", ".join(f"{s.family}/{s.format}" for s in spec.sources)
+        raise ConfigError(f"data.format={fmt} is not available for model.type={family}; model.type/data.format "
+                          f"pairs: {served}")
 
 
 def all_keys(schema: Schema = SCHEMA) -> list[str]:
@@ -224,10 +230,10 @@ def describe(schema: Schema = SCHEMA) -> str:
     lines = []
     for spec in schema.sections:
         lines.append(f"{spec.name}:  # {spec.doc}")
-        every = {src.family for src in spec.sources}
+        every = {variant_name(src) for src in spec.sources}
         for key in schema.keys(spec.name).values():
-            fams = key.families
-            where = f" [{'/'.join(fams)}]" if fams is not None and set(fams) != every else ""
+            used = key.variants
+            where = f" [{'/'.join(used)}]" if used is not None and set(used) != every else ""
             lines.append(f"  {key.name}: {key.default!r}  # {type_name(key.type)}{where}; {key.doc}")
     if schema.renamed:
         lines.append("# renamed keys (the old names still work):")

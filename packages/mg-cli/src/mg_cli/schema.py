@@ -36,6 +36,8 @@ class Source:
     """The class, or ``"module:Class"`` (imported when first needed)."""
     family: str | None = None
     """Only for this ``model.type`` (its keys are errors for the other families); None: every family."""
+    format: str | None = None
+    """Only for this ``data.format`` (data sources: ``pretrain``, ``sft``...); None: every format."""
     only: tuple[str, ...] = ()
     """Just these fields (the class's other fields are keys of another section)."""
     exclude: tuple[str, ...] = ()
@@ -101,6 +103,25 @@ class Key:
         if len(fams) < len(self.owners) or None in fams:
             return None
         return tuple(dict.fromkeys(fams))  # type: ignore[arg-type]
+
+    @property
+    def variants(self) -> tuple[str, ...] | None:
+        """Where this key is used, as ``family`` or ``family with data.format=F``; None: everywhere."""
+        if self.families is None:
+            return None
+        return tuple(dict.fromkeys(
+            variant_name(o.source) for o in self.owners if o.source is not None))
+
+    def used_by(self, family: str, data_format: str) -> bool:
+        """Whether a run of ``family`` reading ``data_format`` data uses this key."""
+        return any(o.source is None or ((o.source.family in (None, family))
+                                         and (o.source.format in (None, data_format))) for o in self.owners)
+
+
+def variant_name(source: Source) -> str:
+    """``gpt``, or ``gpt with data.format=sft`` for a source of another format than pretraining's."""
+    fmt = f" with data.format={source.format}" if source.format not in (None, "pretrain") else ""
+    return f"{source.family}{fmt}"
 
 
 @functools.cache

@@ -91,6 +91,9 @@ class ScheduleKeys:
 class DataKeys:
     """Where samples come from."""
 
+    format: Literal["pretrain", "sft"] = "pretrain"
+    """What the samples are: pretrain (documents of text; per model.type: causal LM, masked LM, span corruption)
+    or sft (gpt: conversations preprocessed with `mg preprocess --format sft`, the loss on the assistant turns)."""
     path: str | list[Any] | None = None
     """Dataset prefix (PREFIX.bin/.idx), or a [weight, prefix, weight, prefix, ...] blend."""
     tokenizer_model: str | None = None
@@ -127,6 +130,10 @@ class CheckpointKeys:
     """Save directory (iter_NNNNNNN/ under it)."""
     load: str | None = None
     """Checkpoint directory or save directory to resume from."""
+    init_from: str | None = None
+    """Start from these weights only (fine-tuning): a Hugging Face model directory or an mg checkpoint of any
+    layout. Iteration 1, a fresh optimizer, schedule and data stream; the architecture is the pretrained one
+    (model.* keys given override it); a resumable checkpoint (checkpoint.load, or --resume) takes precedence."""
     interval: int = 0
     """Save every this many iterations (0: only at the end)."""
     async_: bool = field(default=False, metadata={"yaml_name": "async"})
@@ -198,13 +205,15 @@ SCHEMA = Schema(sections=(
                 defaults={"lr": 3e-4, "weight_decay": 0.1, "adam_beta2": 0.95}),
     SectionSpec(
         name="data", doc="Where samples come from and how the family's samples are made.", cli=DataKeys,
-        sources=(Source("mg_data.gpt_dataset:GPTDatasetConfig", family="gpt",
+        sources=(Source("mg_data.gpt_dataset:GPTDatasetConfig", family="gpt", format="pretrain",
                         exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "reset_attention_mask",
                                  "create_attention_mask")),
-                 Source("mg_data.bert_dataset:BertDatasetConfig", family="bert",
+                 Source("mg_data.bert_dataset:BertDatasetConfig", family="bert", format="pretrain",
                         exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "is_word_start", "word_starts")),
-                 Source("mg_data.t5_dataset:T5DatasetConfig", family="t5",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir"))),
+                 Source("mg_data.t5_dataset:T5DatasetConfig", family="t5", format="pretrain",
+                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir")),
+                 Source("mg_data.sft_dataset:SFTDatasetConfig", family="gpt", format="sft",
+                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "create_attention_mask"))),
     ),
     SectionSpec(name="eval", doc="Periodic validation.", cli=EvalKeys),
     SectionSpec(name="checkpoint", doc="Saving and resuming.", cli=CheckpointKeys),

@@ -29,11 +29,11 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def _is_tied_copy(module: torch.nn.Module, name: str) -> bool:
+def is_tied_copy(module: torch.nn.Module, name: str) -> bool:
     # The last stage's own copy of a tied embedding (pp > 1).
     cfg = getattr(module, "config", None)
     return (name == "output_layer.weight" and cfg is not None and cfg.tie_word_embeddings
@@ -55,10 +55,10 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
     """This rank's model parameters as logical-tensor pieces (templates filled in place on load)."""
     out: dict[str, ShardedTensor] = {}
     for chunk in chunks:
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         for name, param in module.named_parameters():
             key = name
-            if _is_tied_copy(module, name):
+            if is_tied_copy(module, name):
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING
@@ -83,12 +83,12 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
     distributed = bool(state["distributed"])
     out: dict[str, ShardedTensor] = {}
     for c, entries in enumerate(state["chunks"]):
-        module = _unwrap(chunks[c])
+        module = unwrap(chunks[c])
         params = dict(module.named_parameters())
         for name, entry in entries.items():
             param = params[name]
             key = name
-            if _is_tied_copy(module, name):
+            if is_tied_copy(module, name):
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING

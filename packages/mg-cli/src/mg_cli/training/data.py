@@ -16,10 +16,15 @@ import torch
 from mg_cli.config import ConfigError, RunConfig
 from mg_cli.training.setup import TrainingError
 from mg_data import (
+    BertDatasetConfig,
     GlobalBatchSampler,
+    GPTDatasetConfig,
     NotSentenceSplitError,
+    SFTDatasetConfig,
+    T5DatasetConfig,
     build_bert_datasets,
     build_gpt_datasets,
+    build_sft_datasets,
     build_t5_datasets,
 )
 from mg_data.torch_adapter import build_data_loader
@@ -50,12 +55,24 @@ def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> 
     elif m.type == "t5":
         run.update(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos, pad_id=ids.pad,
                    decoder_seq_length=m.decoder_seq_length)
+    elif config.data.format == "sft":
+        run.update(seq_length=m.seq_length, pad_id=ids.eos if ids.pad is None else ids.pad)
     else:
         run.update(seq_length=m.seq_length, eod_id=ids.eos)
     try:
         return config.make(cls, **run)
     except ValueError as e:
         raise TrainingError(f"model.seq_length / model.decoder_seq_length / data: {e}") from None
+
+
+_BUILDERS = {GPTDatasetConfig: build_gpt_datasets, BertDatasetConfig: build_bert_datasets,
+             T5DatasetConfig: build_t5_datasets, SFTDatasetConfig: build_sft_datasets}
+"""Train/valid/test datasets of each dataset config class."""
+
+
+def _builder(ds_config: Any) -> Any:
+    """The dataset builder of ``ds_config``'s class (or of its nearest base that has one)."""
+    return next(_BUILDERS[k] for k in type(ds_config).__mro__ if k in _BUILDERS)
 
 
 class RunData:
@@ -71,7 +88,7 @@ class RunData:
         evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
         wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
         self.ds_config = dataset_config(config, tokenizer, cache)
-        build = {"gpt": build_gpt_datasets, "bert": build_bert_datasets, "t5": build_t5_datasets}[config.model.type]
+        build = _builder(self.ds_config)
         try:
             self.train_ds, self.valid_ds, _ = build(self.ds_config, blend, wanted)
         except NotSentenceSplitError as e:

@@ -55,14 +55,15 @@ def _preset_fields(config: RunConfig) -> dict[str, Any]:
     return dict(presets[m.preset])
 
 
-def model_config(config: RunConfig, vocab_size: int) -> Any:
+def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None) -> Any:
     """The architecture of ``model.type``: the preset (if any), the ``model.*`` keys given (the fields of the
     family's config class, same names), and what the run fills in (the tokenizer's vocabulary, positions for
     ``model.seq_length``, BERT's binary head from ``data.sentence_task``). A ``GPTConfig``, ``BertConfig`` or
     ``T5Config`` (or whatever class the schema names for the family).
 
     ``model.dropout`` (T5's one dropout) sets both ``attention_dropout`` and ``hidden_dropout`` of GPT and BERT
-    unless they are given.
+    unless they are given. With ``pretrained`` (``checkpoint.init_from``) its architecture takes the preset's
+    place.
 
     Raises:
         TrainingError: unknown preset, missing shape without a preset, a key the family does not use, or
@@ -77,7 +78,16 @@ def model_config(config: RunConfig, vocab_size: int) -> Any:
         raise TrainingError(f"model.decoder_seq_length is only used by model.type=t5; leave it unset for {m.type}")
     if m.type == "gpt" and m.activation in ("relu", "gated-gelu"):
         raise TrainingError(f"model.activation={m.activation} is a T5 activation; use gelu, gelu_tanh or swiglu for gpt")
-    fields = {**_preset_fields(config), **config.values_for(cls)}
+    if pretrained is not None:
+        from mg_cli.training.pretrained import architecture
+
+        if m.preset is not None:
+            raise TrainingError("model.preset and checkpoint.init_from both give the architecture; leave "
+                                "model.preset unset (model.* keys still override the pretrained model's)")
+        base = architecture(pretrained, m.type)
+    else:
+        base = _preset_fields(config)
+    fields = {**base, **config.values_for(cls)}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in fields]
     if missing:
         raise TrainingError(f"model.{missing[0]} is not set and model.preset is not given; set a preset or the shape")
@@ -178,9 +188,9 @@ def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
             that add it.
     """
     family, path = config.model.type, str(config.data.tokenizer_model)
-    if family == "gpt":
-        return SpecialTokens(eos=tokenizer.eod)
     pad = pad_id(tokenizer)
+    if family == "gpt":
+        return SpecialTokens(eos=tokenizer.eod, pad=pad)
     if family == "bert":
         fix = f"--user-defined-symbols '{BERT_SYMBOLS}'"
         ids = {"padding token <pad>": pad,
@@ -212,8 +222,12 @@ def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
 # ------------------------------------------------------------------------------------------------- loss
 
 
-def forward_step_for(family: str, sentence_task: str = "sop") -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
+def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain"
+                     ) -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
     """``forward_step(batch, chunk) -> (output, loss_fn)`` of ``family`` for the pipeline schedules.
+
+    ``data_format="sft"``: packed conversations; every stage gets their ``document_ids`` (no attention
+    across conversations) and ``position_ids`` (restarting per conversation).
 
     ``loss_fn(output) -> (loss, logs)``: the micro-batch loss (see the module docstring) and the
     detached parts (``lm_loss``, ``sop_loss``/``nsp_loss``) to log.
@@ -227,6 +241,11 @@ def forward_step_for(family: str, sentence_task: str = "sop") -> Callable[[dict[
 
     def gpt_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
         output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+        return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
+
+    def sft_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                       document_ids=batch["document_ids"])
         return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
 
     def bert_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
@@ -252,6 +271,8 @@ def forward_step_for(family: str, sentence_task: str = "sop") -> Callable[[dict[
             return loss, {"lm_loss": loss.detach()}
         return per_token, loss_fn
 
+    if data_format == "sft":
+        return sft_step
     return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]
 
 

@@ -81,14 +81,20 @@ def preflight(config: RunConfig, env: Env) -> Plan:
     from mg_cli.training.data import dataset_config
     from mg_cli.training.schedule import lr_schedule
 
-    model_cfg = model_config(config, tokenizer.vocab_size)
+    pretrained = None
+    if config.checkpoint.init_from is not None:
+        from mg_cli.training.pretrained import check_vocabulary, read_pretrained
+
+        pretrained = read_pretrained(config.checkpoint.init_from)
+        check_vocabulary(pretrained, tokenizer.vocab_size, config.data.tokenizer_model)
+    model_cfg = model_config(config, tokenizer.vocab_size, pretrained)
     check_model_layout(model_cfg, config)
     dataset_config(config, tokenizer, None)  # the family's special tokens and sample lengths
     try:
         schedule = lr_schedule(config.optim, config.train.iters)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule)
+    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained)
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:

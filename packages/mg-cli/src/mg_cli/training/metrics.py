@@ -144,6 +144,8 @@ def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
     logger.message(f"mg train: {run.env.world_size} processes, "
                    + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
                    + (f", resuming at iteration {run.start_iter + 1}" if run.start_iter else ""))
+    if run.init_report is not None:
+        logger.message(run.init_report)
     slower = slower_than_fp32_note(config.train.precision, run.dtype, run.grid.device)
     if slower:
         logger.message(slower)

@@ -43,6 +43,8 @@ class Run:
     """The ``mg_ckpt.CheckpointSaver``: pending background saves, staging buffers, the checkpoint group."""
     start_iter: int
     """Iterations already done (those of the loaded checkpoint); the run goes on at ``start_iter + 1``."""
+    init_report: str | None = None
+    """What ``checkpoint.init_from`` loaded, initialised and dropped (one line), when it was used."""
 
     @property
     def num_micro(self) -> int:
@@ -72,7 +74,14 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     dims = grid.dims
     torch.manual_seed(t.seed)
     rng = RNGTracker(t.seed, grid)
-    model, optimizer = wrap_and_build_optimizer(build_model_chunks(model_cfg, config, grid, rng), config, grid)
+    chunks = build_model_chunks(model_cfg, config, grid, rng)
+    init_report = None
+    if plan.pretrained is not None and load_path is None:  # weights only, before the optimizer copies them
+        from mg_cli.training.pretrained import load_weights
+
+        init_report = load_weights(chunks, grid, plan.pretrained)
+    plan.pretrained = None  # its tensors are no longer needed
+    model, optimizer = wrap_and_build_optimizer(chunks, config, grid)
     start_iter = 0
     if load_path is not None:
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
@@ -83,12 +92,12 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
         forward_backward=get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None),
-        forward_step=forward_step_for(family, task), logged_losses=logged_losses(family, task),
+        forward_step=forward_step_for(family, task, config.data.format), logged_losses=logged_losses(family, task),
         dtype=Precision.from_name(t.precision).param_dtype,
         tensor_shape=(seq // grid.tp_size if dims.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
         flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq,
                                              recompute=config.parallel.recompute_granularity == "full"),
-        saver=saver, start_iter=start_iter,
+        saver=saver, start_iter=start_iter, init_report=init_report,
     )
 
 

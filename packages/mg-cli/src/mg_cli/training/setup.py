@@ -47,6 +47,8 @@ class Plan:
     """The architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
     schedule: Any
     """The learning rate by iteration (``LRSchedule``)."""
+    pretrained: Any = None
+    """``checkpoint.init_from``'s model (``mg_cli.training.pretrained.Pretrained``), or None."""
 
 
 def read_env() -> Env:
@@ -149,6 +151,10 @@ def check_files(config: RunConfig) -> None:
         prefixes, _ = parse_blend(d.path if isinstance(d.path, list) else [d.path])
     except ValueError as e:
         raise TrainingError(f"data.path: {e}") from None
+    if d.format == "sft":  # the tokens and their loss mask, as `mg preprocess --format sft` wrote them
+        from mg_data.sft import sft_prefixes
+
+        prefixes = [p for prefix in prefixes for p in sft_prefixes(prefix)]
     for prefix in prefixes:
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise TrainingError(

@@ -1,0 +1,124 @@
+"""Starting a run from pretrained weights (``checkpoint.init_from``): a Hugging Face directory or an mg checkpoint.
+
+Only the weights come over: the run starts at iteration 1 with a fresh optimizer, schedule and
+data stream. The architecture is the pretrained model's (``model.*`` keys given override it, e.g.
+``model.head: classification``). Every rank reads the whole pretrained model once (one process
+model, unsharded) and copies its own tensor-parallel block of each parameter of its pipeline stage,
+so a checkpoint of any layout, or a Hugging Face directory, starts any layout. Parameters the
+pretrained model lacks (a new classification head) keep their initialisation; pretrained weights
+this model does not use (an LM head under a classifier) are dropped; both are reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mg_cli.training.checkpointing import WORD_EMBEDDING, is_tied_copy, unwrap
+from mg_cli.training.setup import TrainingError
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.tensor_parallel import shard_info
+
+
+@dataclass
+class Pretrained:
+    """A pretrained model read for ``checkpoint.init_from``."""
+
+    path: str
+    family: str
+    """``gpt``, ``bert`` or ``t5`` (from the config's class)."""
+    config: Any
+    """Its architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
+    params: dict[str, torch.Tensor]
+    """Every parameter, unsharded, by its mg name (a tied output weight appears once, as the embedding)."""
+
+
+def family_of(config: Any) -> str:
+    """The mg family of a model config object."""
+    from mg_models.bert import BertConfig
+    from mg_models.t5 import T5Config
+
+    return "t5" if isinstance(config, T5Config) else "bert" if isinstance(config, BertConfig) else "gpt"
+
+
+def read_pretrained(path: str) -> Pretrained:
+    """The model at ``path`` (Hugging Face directory or mg checkpoint of any family and layout), on the CPU.
+
+    Raises:
+        TrainingError: ``path`` is neither, or cannot be read (one line naming it).
+    """
+    from mg_ckpt import CheckpointError
+    from mg_models import load_pretrained
+
+    try:
+        model = load_pretrained(path, dtype=torch.float32, device="cpu")
+    except (OSError, ValueError, CheckpointError) as e:
+        raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    return Pretrained(path=path, family=family_of(model.config), config=model.config, params=params)
+
+
+def architecture(pretrained: Pretrained, model_type: str) -> dict[str, Any]:
+    """The pretrained model's config fields, for the run's model config to start from.
+
+    Raises:
+        TrainingError: the pretrained model is of another family than ``model.type``.
+    """
+    if pretrained.family != model_type:
+        raise TrainingError(f"checkpoint.init_from: {pretrained.path} is a {pretrained.family.upper()} model but "
+                            f"model.type={model_type}; set model.type: {pretrained.family}")
+    return {k: v for k, v in pretrained.config.to_dict().items() if k != "vocab_size"}
+
+
+def check_vocabulary(pretrained: Pretrained, vocab_size: int, tokenizer_path: str) -> None:
+    """The run's tokenizer must be the pretrained model's (same vocabulary size).
+
+    Raises:
+        TrainingError: naming both sizes and the fix.
+    """
+    if pretrained.config.vocab_size != vocab_size:
+        raise TrainingError(f"data.tokenizer_model: {tokenizer_path} has {vocab_size} tokens but the init_from model "
+                            f"{pretrained.path} was trained with {pretrained.config.vocab_size}; use its tokenizer")
+
+
+def load_weights(chunks: list[torch.nn.Module], grid: ProcessGrid, pretrained: Pretrained) -> str:
+    """Copy this rank's block of every pretrained parameter into ``chunks`` (collective: one all-gather of names).
+
+    Returns:
+        The one-line report: tensors loaded, parameters initialised because the pretrained model lacks them,
+        pretrained tensors no rank's model uses (dropped).
+
+    Raises:
+        TrainingError: a parameter whose global shape differs from the pretrained tensor's (names both).
+    """
+    used, fresh = set(), []
+    for chunk in chunks:
+        module = unwrap(chunk)
+        for name, param in module.named_parameters():
+            key = WORD_EMBEDDING if is_tied_copy(module, name) else name
+            source = pretrained.params.get(key)
+            if source is None:
+                fresh.append(name)
+                continue
+            shape, offset = shard_info(param, grid, name=name)
+            if tuple(source.shape) != tuple(shape):
+                raise TrainingError(f"checkpoint.init_from: {key} has shape {tuple(source.shape)} in "
+                                    f"{pretrained.path} but {tuple(shape)} in this model; the model.* keys "
+                                    f"given change the architecture")
+            block = source[tuple(slice(o, o + n) for o, n in zip(offset, param.shape))]
+            with torch.no_grad():
+                param.copy_(block)
+            used.add(key)
+    everyone = [(sorted(used), fresh)]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(everyone, (sorted(used), fresh))
+    used_anywhere = {k for keys, _ in everyone for k in keys}
+    fresh_anywhere = sorted({k for _, names in everyone for k in names})
+    dropped = sorted(set(pretrained.params) - used_anywhere)
+    return (f"init_from {pretrained.path}: loaded {len(used_anywhere)} of {len(pretrained.params)} tensors"
+            f"; initialised (not in the pretrained model): {', '.join(fresh_anywhere) or 'none'}"
+            f"; dropped (unused by this model): {', '.join(dropped) or 'none'}")
