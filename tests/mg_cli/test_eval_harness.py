@@ -81,7 +81,7 @@ def _simple(model, tasks_dir, **kw):
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(model=model, tasks=[f"mg_toy_{n}" for n in TASKS], bootstrap_iters=0,
-                                  task_manager=TaskManager(include_path=str(tasks_dir)), **kw)
+                                  task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False), **kw)
     return {t: {k: v for k, v in r.items() if k != "alias"} for t, r in out["results"].items()}
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from mg_cli.evaluation.lm import LMScorer
 
-__all__ = ["MgLM", "run_harness_tasks"]
+__all__ = ["MgLM", "run_harness_tasks"]  # noqa: F822 (MgLM is built on first access, see __getattr__)
 
 
 def _lm_eval() -> Any:
@@ -145,7 +145,8 @@ def run_harness_tasks(scorer: LMScorer, tasks: Sequence[str], *, limit: int | No
             names.append(yaml.safe_load(p.read_text())["task"])
         else:
             names.append(t)
-    manager = TaskManager(include_path=include or None)
+    # Indexing the harness's own task folders takes tens of seconds; skip it when only files are named.
+    manager = TaskManager(include_path=include or None, include_defaults=len(include) < len(names))
     lm = __getattr__("MgLM")(scorer)
     out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                   batch_size=batch_size, bootstrap_iters=0, log_samples=False)
