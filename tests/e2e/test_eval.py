@@ -1,0 +1,32 @@
+"""mg eval on a checkpoint mg train wrote, as users run it: one process, and tp2 on two processes with the
+same scores (within 1e-6) and the same greedy outputs; a table on the terminal and a JSON report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.conftest import mg
+
+
+def test_eval_checkpoint_one_process_and_tp2(corpus, layout_runs, tmp_path):
+    _, ckpt, _ = layout_runs.get(1)
+    texts = [json.loads(line)["text"][:400] for line in corpus["jsonl"].read_text().splitlines()[:3]]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"context": "def main(", "choices": [")", "self):", "x"],
+                                                           "answer": i % 3}) + "\n" for i in range(3)))
+    (tmp_path / "s.jsonl").write_text(json.dumps({"input": "import os\n", "target": "import sys"}) + "\n")
+    args = ["eval", "--checkpoint", str(ckpt), "--task", f"perplexity:{tmp_path / 't.jsonl'}",
+            "--task", f"perplexity:{corpus['prefix']}", "--task", f"choice:{tmp_path / 'mc.jsonl'}",
+            "--task", f"seq2seq:{tmp_path / 's.jsonl'}", "--limit", "3", "--stride", "16", "--max-new-tokens", "8"]
+    one = mg(*args, "--json", str(tmp_path / "one.json"))
+    assert "bits_per_byte" in one.stdout and "acc_norm" in one.stdout, one.stdout
+    tp2 = mg(*args, "--json", str(tmp_path / "tp2.json"), "--set", "parallel.tp=2", "--nproc-per-node", "2")
+    assert "tp=2 pp=1 dp=1 (2 processes)" in tp2.stdout, tp2.stdout
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp2"))
+    assert a["results"][1]["num_examples"] == 3 and a["results"][1]["tokens"] > 0
+    for ra, rb in zip(a["results"], b["results"]):
+        for name, m in ra["metrics"].items():
+            assert rb["metrics"][name]["value"] == pytest.approx(m["value"], rel=1e-6, abs=1e-6), (ra["task"], name)
+        assert ra.get("outputs") == rb.get("outputs")
