@@ -54,8 +54,13 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
     """Tokenizer + dataset prefix shared by every end-to-end test."""
     root = tmp_path_factory.mktemp("corpus")
     jsonl = stdlib_corpus(root / "corpus.jsonl", 1_500_000)
+    # Line by line: the layout-parity tests compare fp32 runs at 1e-5 relative. With the whitespace-exact
+    # tokenizer of this corpus, one embedding row's first gradient is a near-total cancellation of larger
+    # terms, so tp1 and tp2 round it differently, and Adam's first step (about lr * sign(g)) turns that into
+    # a 1e-4 weight difference (7% of lr) and a 4e-5 grad_norm difference at iteration 2. The data decides
+    # that, not the layout; the BERT/T5 corpus below and the tokenizer tests cover whitespace-exact training.
     mg("tokenizer", "train", "--input", str(jsonl), "--output-prefix", str(root / "tok"), "--vocab-size", "512",
-       "--max-lines", "50000")
+       "--max-lines", "50000", "--line-by-line")
     mg("preprocess", "--input", str(jsonl), "--tokenizer-model", str(root / "tok.model"), "--output-prefix",
        str(root / "data"), "--append-eod", "--workers", "2", "--partition-mb", "1")
     return {"root": root, "jsonl": jsonl, "tokenizer": root / "tok.model", "prefix": root / "data_text_document"}

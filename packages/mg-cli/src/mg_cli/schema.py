@@ -10,6 +10,7 @@ dataclass that owns it, which is constructed from the section's values to check 
 from __future__ import annotations
 
 import ast
+import collections.abc
 import dataclasses
 import functools
 import importlib
@@ -19,7 +20,6 @@ import operator
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,7 +70,7 @@ class SectionSpec:
     """A dataclass of keys only the command has (paths, the loop, logging); listed after the sources'."""
     sources: tuple[Source, ...] = ()
     """Library dataclasses whose fields are keys; a name in several (``split``) is one key."""
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    defaults: collections.abc.Mapping[str, Any] = field(default_factory=dict)
     """The command's defaults where they differ from the library's (``optim.lr``)."""
     unset_is_null: bool = False
     """Source keys default to null, meaning "not given": the model preset or the class's own default applies."""
@@ -160,7 +160,7 @@ class Schema:
     """Every section of a command's configuration, and the renamed keys it still accepts."""
 
     sections: tuple[SectionSpec, ...]
-    renamed: Mapping[str, tuple[str, Mapping[Any, Any]]] = field(default_factory=dict)
+    renamed: collections.abc.Mapping[str, tuple[str, collections.abc.Mapping[Any, Any]]] = field(default_factory=dict)
     """Old ``section.key`` -> (new ``section.key``, old value -> new value where they differ)."""
 
     def spec(self, name: str) -> SectionSpec:
@@ -294,7 +294,7 @@ def check_type(value: Any, tp: Any, key: str) -> Any:
             return value
         choices = ", ".join(repr(a) for a in typing.get_args(tp))
         raise ConfigError(f"{key}={value!r} is not one of {choices}")
-    if origin in (list, tuple) or tp is list:
+    if origin in (list, tuple, collections.abc.Sequence) or tp is list:
         if isinstance(value, list):
             return value
         raise ConfigError(f"{key}={value!r} should be a list")

@@ -91,11 +91,17 @@ class ScheduleKeys:
 class DataKeys:
     """Where samples come from."""
 
-    format: Literal["pretrain", "sft"] = "pretrain"
-    """What the samples are: pretrain (documents of text; per model.type: causal LM, masked LM, span corruption)
-    or sft (gpt: conversations preprocessed with `mg preprocess --format sft`, the loss on the assistant turns)."""
+    format: Literal["pretrain", "sft", "classification", "seq2seq"] = "pretrain"
+    """What the samples are: pretrain (documents; per model.type: causal LM, masked LM, span corruption), sft (gpt:
+    conversations, the loss on the assistant turns), classification (gpt, bert: {text, text_pair?, label}, a
+    classification head), seq2seq (t5: {input, target}, the loss on the target). Fine-tuning formats read what
+    `mg preprocess --format F` wrote; classification and seq2seq also read a .jsonl file directly."""
     path: str | list[Any] | None = None
-    """Dataset prefix (PREFIX.bin/.idx), or a [weight, prefix, weight, prefix, ...] blend."""
+    """Dataset prefix (PREFIX.bin/.idx; fine-tuning formats: the --output-prefix of `mg preprocess`, or a .jsonl
+    file), or a [weight, prefix, weight, prefix, ...] blend."""
+    valid_path: str | None = None
+    """Validation data of the fine-tuning formats (a prefix or .jsonl file) used whole instead of a data.split
+    share of data.path."""
     tokenizer_model: str | None = None
     """Tokenizer file (SentencePiece .model or tokenizer.json)."""
     num_workers: int = 1
@@ -171,6 +177,9 @@ _OPTIMIZER = "mg_parallel.optimizer.config:OptimizerConfig"
 _ZERO = ("use_distributed_optimizer", "overlap_param_gather")
 _LOSS_SCALING = ("precision", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 _RUN_LENGTHS = ("seq_length", "max_seq_length", "encoder_seq_length", "decoder_seq_length")
+_CLASSIFICATION = "mg_data.classification:ClassificationDatasetConfig"
+_CLASSIFICATION_RUN = ("max_seq_length", "cls_id", "sep_id", "pad_id", "separator_ids", "end_ids", "seed",
+                       "cache_dir")
 _RUN_IDS = ("vocab_size", "eod_id", "cls_id", "sep_id", "mask_id", "pad_id", "sentinel_ids", "eos_id",
             "decoder_start_id")
 
@@ -213,7 +222,11 @@ SCHEMA = Schema(sections=(
                  Source("mg_data.t5_dataset:T5DatasetConfig", family="t5", format="pretrain",
                         exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir")),
                  Source("mg_data.sft_dataset:SFTDatasetConfig", family="gpt", format="sft",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "create_attention_mask"))),
+                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "create_attention_mask")),
+                 Source(_CLASSIFICATION, family="gpt", format="classification", exclude=_CLASSIFICATION_RUN),
+                 Source(_CLASSIFICATION, family="bert", format="classification", exclude=_CLASSIFICATION_RUN),
+                 Source("mg_data.seq2seq:Seq2SeqDatasetConfig", family="t5", format="seq2seq",
+                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir"))),
     ),
     SectionSpec(name="eval", doc="Periodic validation.", cli=EvalKeys),
     SectionSpec(name="checkpoint", doc="Saving and resuming.", cli=CheckpointKeys),

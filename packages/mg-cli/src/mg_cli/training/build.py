@@ -28,9 +28,9 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
     p = config.parallel
     if config.model.type == "t5":
         check_t5_layout(config)  # what mg train does not do for T5 (pp, sp, recompute), naming the key
-    elif cfg.head != "lm":
-        raise TrainingError(f"model.head={cfg.head}: mg train pretrains language models (model.head: lm); a "
-                            f"classification head needs a labelled dataset, which mg train does not read yet")
+    elif (cfg.head == "lm") != (config.data.format != "classification"):
+        raise TrainingError(f"model.head={cfg.head} does not fit data.format={config.data.format}: a classification "
+                            f"head trains on data.format=classification, every other format on model.head=lm")
     if p.recompute_granularity == "selective":
         raise TrainingError("parallel.recompute_granularity=selective is not supported by mg train yet; use full "
                             "(optionally with parallel.recompute_num_layers) or leave it unset")

@@ -17,13 +17,17 @@ from mg_cli.config import ConfigError, RunConfig
 from mg_cli.training.setup import TrainingError
 from mg_data import (
     BertDatasetConfig,
+    ClassificationDatasetConfig,
     GlobalBatchSampler,
     GPTDatasetConfig,
     NotSentenceSplitError,
+    Seq2SeqDatasetConfig,
     SFTDatasetConfig,
     T5DatasetConfig,
     build_bert_datasets,
+    build_classification_datasets,
     build_gpt_datasets,
+    build_seq2seq_datasets,
     build_sft_datasets,
     build_t5_datasets,
 )
@@ -48,15 +52,24 @@ def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> 
     except ConfigError as e:
         raise TrainingError(str(e)) from None
     ids = special_tokens(config, tokenizer)
+    pad = ids.eos if ids.pad is None else ids.pad
     run: dict[str, Any] = {"seed": t.seed, "cache_dir": cache_dir}
-    if m.type == "bert":
+    fmt = config.data.format
+    if fmt == "classification" and m.type == "bert":
+        run.update(max_seq_length=m.seq_length, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
+    elif fmt == "classification":  # the label is read at the closing end-of-document token
+        run.update(max_seq_length=m.seq_length, pad_id=pad, separator_ids=[ids.eos], end_ids=[ids.eos])
+    elif fmt == "seq2seq":
+        run.update(encoder_seq_length=m.seq_length, decoder_seq_length=m.decoder_seq_length or m.seq_length,
+                   eos_id=ids.eos, pad_id=ids.pad)
+    elif m.type == "bert":
         run.update(max_seq_length=m.seq_length, vocab_size=tokenizer.vocab_size, cls_id=ids.cls, sep_id=ids.sep,
                    mask_id=ids.mask, pad_id=ids.pad)
     elif m.type == "t5":
         run.update(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos, pad_id=ids.pad,
                    decoder_seq_length=m.decoder_seq_length)
-    elif config.data.format == "sft":
-        run.update(seq_length=m.seq_length, pad_id=ids.eos if ids.pad is None else ids.pad)
+    elif fmt == "sft":
+        run.update(seq_length=m.seq_length, pad_id=pad)
     else:
         run.update(seq_length=m.seq_length, eod_id=ids.eos)
     try:
@@ -66,13 +79,46 @@ def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> 
 
 
 _BUILDERS = {GPTDatasetConfig: build_gpt_datasets, BertDatasetConfig: build_bert_datasets,
-             T5DatasetConfig: build_t5_datasets, SFTDatasetConfig: build_sft_datasets}
+             T5DatasetConfig: build_t5_datasets, SFTDatasetConfig: build_sft_datasets,
+             ClassificationDatasetConfig: build_classification_datasets, Seq2SeqDatasetConfig: build_seq2seq_datasets}
 """Train/valid/test datasets of each dataset config class."""
+_EXAMPLES = (ClassificationDatasetConfig, Seq2SeqDatasetConfig)
+"""Example datasets: they read .jsonl files too (with the tokenizer) and take an explicit validation set."""
 
 
-def _builder(ds_config: Any) -> Any:
-    """The dataset builder of ``ds_config``'s class (or of its nearest base that has one)."""
-    return next(_BUILDERS[k] for k in type(ds_config).__mro__ if k in _BUILDERS)
+def build_datasets(config: RunConfig, ds_config: Any, tokenizer: Any, wanted: tuple[int | None, ...]) -> list[Any]:
+    """Train/valid/test datasets of ``ds_config``'s class (or of its nearest base that has a builder).
+
+    Raises:
+        TrainingError: unusable data (names the key and the file or line).
+    """
+    d = config.data
+    blend = d.path if isinstance(d.path, list) else [d.path]
+    cls = next(k for k in type(ds_config).__mro__ if k in _BUILDERS)
+    extra: dict[str, Any] = {}
+    if cls in _EXAMPLES:
+        extra["tokenizer"] = tokenizer
+        if d.valid_path is not None:
+            extra["blend_per_split"] = [blend, [d.valid_path], None]
+    try:
+        return _BUILDERS[cls](ds_config, blend, wanted, **extra)
+    except NotSentenceSplitError as e:
+        raise TrainingError(f"data.path: {e}; make one with `mg preprocess --split-sentences ...` and set "
+                            f"data.path to its PREFIX_text_sentence output") from None
+    except ValueError as e:
+        raise TrainingError(f"data.path: {e}") from None
+
+
+def task_labels(config: RunConfig, tokenizer: Any) -> tuple[list[str] | None, int] | None:
+    """``(label names or None for integer labels, number of labels)`` of a classification run, else None.
+
+    Raises:
+        TrainingError: unusable data.
+    """
+    if config.data.format != "classification":
+        return None
+    train, *_ = build_datasets(config, dataset_config(config, tokenizer, None), tokenizer, (None, None, None))
+    return (None if train.label_names is None else list(train.label_names)), int(train.num_labels)
 
 
 class RunData:
@@ -88,14 +134,7 @@ class RunData:
         evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
         wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
         self.ds_config = dataset_config(config, tokenizer, cache)
-        build = _builder(self.ds_config)
-        try:
-            self.train_ds, self.valid_ds, _ = build(self.ds_config, blend, wanted)
-        except NotSentenceSplitError as e:
-            raise TrainingError(f"data.path: {e}; make one with `mg preprocess --split-sentences ...` and set "
-                                f"data.path to its PREFIX_text_sentence output") from None
-        except ValueError as e:
-            raise TrainingError(f"data.path: {e}") from None
+        self.train_ds, self.valid_ds, _ = build_datasets(config, self.ds_config, tokenizer, wanted)
         if self.train_ds is None:
             raise TrainingError(f"data.split={d.split!r} gives the training split no documents; raise its weight")
         if len(self.train_ds) < gbs:

@@ -55,7 +55,7 @@ def _preset_fields(config: RunConfig) -> dict[str, Any]:
     return dict(presets[m.preset])
 
 
-def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None) -> Any:
+def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None, num_labels: int | None = None) -> Any:
     """The architecture of ``model.type``: the preset (if any), the ``model.*`` keys given (the fields of the
     family's config class, same names), and what the run fills in (the tokenizer's vocabulary, positions for
     ``model.seq_length``, BERT's binary head from ``data.sentence_task``). A ``GPTConfig``, ``BertConfig`` or
@@ -63,7 +63,7 @@ def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None) -> 
 
     ``model.dropout`` (T5's one dropout) sets both ``attention_dropout`` and ``hidden_dropout`` of GPT and BERT
     unless they are given. With ``pretrained`` (``checkpoint.init_from``) its architecture takes the preset's
-    place.
+    place. ``data.format: classification`` selects the classification head with the data's ``num_labels``.
 
     Raises:
         TrainingError: unknown preset, missing shape without a preset, a key the family does not use, or
@@ -99,6 +99,11 @@ def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None) -> 
         fields["max_position_embeddings"] = max(int(fields.get("max_position_embeddings", 0)), m.seq_length)
     if m.type == "bert":
         fields["add_binary_head"] = config.data.sentence_task != "none"
+    if config.data.format == "classification":
+        if m.head not in (None, "classification") or m.num_labels not in (None, num_labels):
+            raise TrainingError(f"data.format=classification trains a classification head over the data's "
+                                f"{num_labels} labels; leave model.head and model.num_labels unset")
+        fields.update(head="classification", num_labels=num_labels)
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
@@ -203,8 +208,9 @@ def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
                 raise _missing(family, what, path, fix)
         pad, cls, sep, mask = ids.values()
         return SpecialTokens(pad=pad, cls=cls, sep=sep, mask=mask)
-    _, spans = t5_lengths(config.model.seq_length)
-    fix = f"--user-defined-symbols '<pad>' --extra-ids {max(100, spans)}"
+    seq2seq = config.data.format == "seq2seq"  # input -> target pairs: no span corruption, no sentinels
+    spans = 0 if seq2seq else t5_lengths(config.model.seq_length)[1]
+    fix = "--user-defined-symbols '<pad>'" + ("" if seq2seq else f" --extra-ids {max(100, spans)}")
     if pad is None:
         raise _missing(family, "padding token <pad>", path, fix)
     if tokenizer.eod is None:
@@ -243,6 +249,15 @@ def forward_step_for(family: str, sentence_task: str = "sop", data_format: str =
         output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
         return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
 
+    def gpt_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        # Per-sample losses of the label read at each sequence's last real token: their mean.
+        output = chunk(batch["tokens"], labels=batch["label"], attention_mask=batch["attention_mask"])
+        return output, lambda per_sample: (per_sample.float().mean(), {})
+
+    def bert_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+        output = chunk(batch["text"], batch["types"], batch["padding_mask"], labels=batch["label"])
+        return output, lambda per_sample: (per_sample.float().mean(), {})
+
     def sft_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
         output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
                        document_ids=batch["document_ids"])
@@ -273,10 +288,13 @@ def forward_step_for(family: str, sentence_task: str = "sop", data_format: str =
 
     if data_format == "sft":
         return sft_step
-    return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]
+    if data_format == "classification":
+        return {"gpt": gpt_classification_step, "bert": bert_classification_step}[family]
+    return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]  # pretraining, and t5's seq2seq samples
 
 
-def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length: int, *, recompute: bool) -> float:
+def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length: int, data_format: str = "pretrain",
+                         *, recompute: bool) -> float:
     """Model FLOPs of one training step per token counted in ``tokens_per_s`` (matmuls, forward + backward).
 
     gpt: per token of the sequence. t5: per encoder token, the decoder's share included (its length
@@ -288,14 +306,16 @@ def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length
     if family == "t5":
         decoder = ds_config.decoder_seq_length or ds_config.decoder_length
         return flops_per_token(model_cfg, seq_length, recompute=recompute, decoder_seq_length=decoder)
-    if family == "bert":
+    if family == "bert" and data_format == "pretrain":
         masked = max(1, round(ds_config.masked_lm_prob * ds_config.max_num_tokens)) / seq_length
         return flops_per_token(model_cfg, seq_length, recompute=recompute, masked_lm_fraction=masked)
     return flops_per_token(model_cfg, seq_length, recompute=recompute)
 
 
-def logged_losses(family: str, sentence_task: str) -> tuple[str, ...]:
+def logged_losses(family: str, sentence_task: str, data_format: str = "pretrain") -> tuple[str, ...]:
     """Keys of a micro-batch's logs averaged and logged besides ``loss``."""
+    if data_format in ("sft", "classification"):
+        return ()
     if family == "bert":
         return ("lm_loss",) if sentence_task == "none" else ("lm_loss", f"{sentence_task}_loss")
     if family == "t5":

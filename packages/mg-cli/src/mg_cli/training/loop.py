@@ -78,7 +78,7 @@ def preflight(config: RunConfig, env: Env) -> Plan:
     except (ValueError, OSError) as e:
         raise TrainingError(f"data.tokenizer_model: {e}") from None
     from mg_cli.training.build import check_model_layout, model_config
-    from mg_cli.training.data import dataset_config
+    from mg_cli.training.data import dataset_config, task_labels
     from mg_cli.training.schedule import lr_schedule
 
     pretrained = None
@@ -87,14 +87,16 @@ def preflight(config: RunConfig, env: Env) -> Plan:
 
         pretrained = read_pretrained(config.checkpoint.init_from)
         check_vocabulary(pretrained, tokenizer.vocab_size, config.data.tokenizer_model)
-    model_cfg = model_config(config, tokenizer.vocab_size, pretrained)
-    check_model_layout(model_cfg, config)
     dataset_config(config, tokenizer, None)  # the family's special tokens and sample lengths
+    labels = task_labels(config, tokenizer)
+    model_cfg = model_config(config, tokenizer.vocab_size, pretrained, num_labels=labels[1] if labels else None)
+    check_model_layout(model_cfg, config)
     try:
         schedule = lr_schedule(config.optim, config.train.iters)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained)
+    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained,
+                labels=labels)
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:

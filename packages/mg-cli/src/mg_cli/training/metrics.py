@@ -63,7 +63,8 @@ class MetricsLogger:
                 self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}")
                 self._bar.refresh()
             if "val_loss" in record:
-                self._bar.write(f"iteration {it}: validation loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}")
+                ppl = f" ppl {record['val_ppl']:.2f}" if "val_ppl" in record else ""
+                self._bar.write(f"iteration {it}: validation loss {record['val_loss']:.4f}{ppl}")
         else:
             parts = [f"iteration {it}"]
             for k in ("loss", "lm_loss", "sop_loss", "nsp_loss", "val_loss", "val_ppl", "lr", "grad_norm",

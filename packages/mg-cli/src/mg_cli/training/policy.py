@@ -59,7 +59,10 @@ class CheckpointPolicy:
             "model_family": run.config.model.type,
             "model_config": run.model_config.to_dict(),
             "tokenizer_model": os.path.abspath(run.config.data.tokenizer_model),
+            "data_format": run.config.data.format,
         }
+        if run.labels is not None:  # classification: what the head's outputs mean (mg convert writes id2label)
+            extra["label_names"], extra["num_labels"] = run.labels
         checkpointing.save(run.saver, c.save, iteration, run.model, run.optimizer, run.grid, extra, async_save=c.async_,
                            keep_last=c.keep_last)
         self.saved_at = iteration

@@ -45,6 +45,8 @@ class Run:
     """Iterations already done (those of the loaded checkpoint); the run goes on at ``start_iter + 1``."""
     init_report: str | None = None
     """What ``checkpoint.init_from`` loaded, initialised and dropped (one line), when it was used."""
+    labels: tuple[list[str] | None, int] | None = None
+    """Classification: (label names, or None for integer labels; number of labels), saved with checkpoints."""
 
     @property
     def num_micro(self) -> int:
@@ -92,12 +94,13 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
         forward_backward=get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None),
-        forward_step=forward_step_for(family, task, config.data.format), logged_losses=logged_losses(family, task),
+        forward_step=forward_step_for(family, task, config.data.format),
+        logged_losses=logged_losses(family, task, config.data.format),
         dtype=Precision.from_name(t.precision).param_dtype,
         tensor_shape=(seq // grid.tp_size if dims.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
-        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq,
+        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, config.data.format,
                                              recompute=config.parallel.recompute_granularity == "full"),
-        saver=saver, start_iter=start_iter, init_report=init_report,
+        saver=saver, start_iter=start_iter, init_report=init_report, labels=plan.labels,
     )
 
 

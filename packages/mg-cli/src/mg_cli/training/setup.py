@@ -49,6 +49,8 @@ class Plan:
     """The learning rate by iteration (``LRSchedule``)."""
     pretrained: Any = None
     """``checkpoint.init_from``'s model (``mg_cli.training.pretrained.Pretrained``), or None."""
+    labels: tuple[list[str] | None, int] | None = None
+    """Classification: (label names, or None for integer labels; number of labels)."""
 
 
 def read_env() -> Env:
@@ -145,26 +147,55 @@ def check_files(config: RunConfig) -> None:
         raise TrainingError("data.tokenizer_model is not set; point it at the tokenizer used by `mg preprocess`")
     if not os.path.isfile(d.tokenizer_model):
         raise TrainingError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
+    paths = d.path if isinstance(d.path, list) else [d.path]
+    _check_dataset("data.path", d.format, paths)
+    if d.valid_path is not None:
+        if d.format in ("pretrain", "sft"):
+            raise TrainingError(f"data.valid_path is for the classification and seq2seq formats; with "
+                                f"data.format={d.format} validation is a data.split share")
+        _check_dataset("data.valid_path", d.format, [d.valid_path])
+    c = config.checkpoint
+    if c.load is not None and not os.path.exists(c.load):
+        raise TrainingError(f"checkpoint.load: {c.load} does not exist")
+
+
+_FIELDS = {"sft": ("text", "loss_mask"), "classification": ("text", "label"), "seq2seq": ("input", "target")}
+"""The indexed datasets `mg preprocess --format F` writes for one output prefix (PREFIX_{field}_document)."""
+
+
+def _check_dataset(key: str, data_format: str, blend: list[Any]) -> None:
+    """Every dataset file of ``blend`` exists and has a readable header (a .jsonl file for the example formats).
+
+    Raises:
+        TrainingError: naming ``key`` and the missing or malformed file.
+    """
     from mg_data import IndexedDataset, IndexedDatasetError, parse_blend
 
     try:
-        prefixes, _ = parse_blend(d.path if isinstance(d.path, list) else [d.path])
+        prefixes, _ = parse_blend(blend)
     except ValueError as e:
-        raise TrainingError(f"data.path: {e}") from None
-    if d.format == "sft":  # the tokens and their loss mask, as `mg preprocess --format sft` wrote them
-        from mg_data.sft import sft_prefixes
-
-        prefixes = [p for prefix in prefixes for p in sft_prefixes(prefix)]
+        raise TrainingError(f"{key}: {e}") from None
+    if data_format in ("classification", "seq2seq") and len(prefixes) == 1 and os.path.isfile(prefixes[0]):
+        return  # a JSONL file, read (and its lines checked) when the datasets are built
+    if data_format in _FIELDS:
+        fields = _FIELDS[data_format]
+        stems = [_stem(p, fields) for p in prefixes]
+        prefixes = [f"{stem}_{f}_document" for stem in stems for f in fields]
     for prefix in prefixes:
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise TrainingError(
-                f"data.path: {prefix}.bin/.idx not found; give the prefix `mg preprocess` printed "
+                f"{key}: {prefix}.bin/.idx not found; give the prefix `mg preprocess` printed "
                 f"(e.g. data/corpus_text_document)"
             )
         try:
             IndexedDataset(prefix)  # header and size consistency; full verification is `mg inspect`
         except IndexedDatasetError as e:
-            raise TrainingError(f"data.path: {e}") from None
-    c = config.checkpoint
-    if c.load is not None and not os.path.exists(c.load):
-        raise TrainingError(f"checkpoint.load: {c.load} does not exist")
+            raise TrainingError(f"{key}: {e}") from None
+
+
+def _stem(prefix: str, fields: tuple[str, ...]) -> str:
+    """The output prefix of `mg preprocess` given it or one of its PREFIX_{field}_document prefixes."""
+    for f in fields:
+        if prefix.endswith(f"_{f}_document"):
+            return prefix[: -len(f"_{f}_document")]
+    return prefix

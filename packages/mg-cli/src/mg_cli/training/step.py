@@ -66,7 +66,7 @@ def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:
     """Mean validation loss over ``batches`` (global batches' micro-batches), its parts and the LM perplexity.
 
     Returns ``{"val_loss", "val_<part>"..., "val_ppl"}``; the perplexity is of the language-model part
-    (BERT: the masked tokens, without the sentence-order loss).
+    (BERT: the masked tokens, without the sentence-order loss), and absent for classification.
     """
     from mg_parallel.pipeline import average_losses
 
@@ -79,5 +79,7 @@ def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:
         chunk.train()
     val = float(average_losses(losses, run.grid))
     parts = {f"val_{k}": float(average_losses(losses, run.grid, key=k)) for k in run.logged_losses}
+    if run.config.data.format == "classification":  # a loss over labels: no perplexity
+        return {"val_loss": val, **parts}
     lm = parts.get("val_lm_loss", val)
     return {"val_loss": val, **parts, "val_ppl": math.exp(min(lm, 50.0))}
