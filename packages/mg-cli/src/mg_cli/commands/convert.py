@@ -143,11 +143,21 @@ def _export_type(family: str, requested: str | None, extra: dict[str, Any], conf
         "gpt2" if config.position_embedding == "learned" else "llama")
 
 
-def _token_ids(extra: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """config.json token ids: those recorded at import, else (T5 trained by mg) the tokenizer's pad and eod."""
+def _labels(extra: dict[str, Any]) -> dict[str, Any]:
+    """config.json's id2label/label2id from the label names a classification run recorded (none for int labels)."""
+    names = extra.get("label_names")
+    if not names:
+        return {}
+    return {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+
+
+def _token_ids(extra: dict[str, Any], model_type: str, config: Any) -> dict[str, Any]:
+    """config.json token ids: those recorded at import, else those mg training used: T5's pad and eod; a GPT
+    classifier's padding (its head reads the last token that is not padding, as mg's did)."""
     if "hf_token_ids" in extra:
         return dict(extra["hf_token_ids"])
-    if model_type != "t5" or not extra.get("tokenizer_model"):
+    classifier = model_type in _GPT_TYPES and not config.has_lm_head
+    if not (model_type == "t5" or classifier) or not extra.get("tokenizer_model"):
         return {}
     from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
@@ -157,6 +167,8 @@ def _token_ids(extra: dict[str, Any], model_type: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}  # the recorded tokenizer moved: keep the adapter's T5 defaults
     pad = pad_id(tok)
+    if classifier:  # mg padded with the pad token, else with eod
+        return {"pad_token_id": int(tok.eod if pad is None else pad)}
     out: dict[str, Any] = {} if pad is None else {"pad_token_id": pad, "decoder_start_token_id": pad}
     if tok.eod is not None:
         out["eos_token_id"] = int(tok.eod)
@@ -173,7 +185,8 @@ def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int
     config = config_from_state(extra, reader.path)
     model_type = _export_type(model_family(extra), model_type, extra, config)
     hf_config = config_to_hf(config, model_type)
-    hf_config.update(_token_ids(extra, model_type))
+    hf_config.update(_token_ids(extra, model_type, config))
+    hf_config.update(_labels(extra))
     groups = tensor_groups(config, model_type)
     missing = [n for g in groups for n in g.mg if MODEL_PREFIX + n not in reader.specs]
     if missing:

@@ -57,8 +57,8 @@ def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> 
     fmt = config.data.format
     if fmt == "classification" and m.type == "bert":
         run.update(max_seq_length=m.seq_length, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
-    elif fmt == "classification":  # the label is read at the closing end-of-document token
-        run.update(max_seq_length=m.seq_length, pad_id=pad, separator_ids=[ids.eos], end_ids=[ids.eos])
+    elif fmt == "classification":  # the label is read at the last real token, as Hugging Face's GPT heads do
+        run.update(max_seq_length=m.seq_length, pad_id=pad, separator_ids=[ids.eos])
     elif fmt == "seq2seq":
         run.update(encoder_seq_length=m.seq_length, decoder_seq_length=m.decoder_seq_length or m.seq_length,
                    eos_id=ids.eos, pad_id=ids.pad)
