@@ -110,7 +110,7 @@ def test_spans_may_not_overlap():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A byte-level BPE tokenizer.json with ChatML special tokens and a ChatML chat_template."""
-    hft = pytest.importorskip("tokenizers")
+    import tokenizers as hft
     d = tmp_path_factory.mktemp("hf_chat")
     tok = hft.Tokenizer(hft.models.BPE(unk_token=None))
     tok.pre_tokenizer = hft.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -126,7 +126,6 @@ def hf_dir(tmp_path_factory):
 
 
 def test_tokenizer_chat_template_matches_builtin_chatml(hf_dir):
-    pytest.importorskip("jinja2")
     tok = build_tokenizer(hf_dir)
     template = load_chat_template("auto", hf_dir)
     assert isinstance(template, JinjaChatTemplate) and not template.has_generation_marks
@@ -142,7 +141,6 @@ def test_tokenizer_chat_template_matches_builtin_chatml(hf_dir):
 
 
 def test_generation_blocks_give_the_spans(hf_dir, tmp_path):
-    pytest.importorskip("jinja2")
     (tmp_path / "marked.jinja").write_text(MARKED_JINJA)
     template = load_chat_template(str(tmp_path / "marked.jinja"), hf_dir)
     assert template.has_generation_marks and template.special_tokens == {"eos_token": "<|im_end|>"}
@@ -155,7 +153,7 @@ def test_generation_blocks_give_the_spans(hf_dir, tmp_path):
 
 
 def test_rendering_matches_transformers(hf_dir):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
     hf.chat_template = MARKED_JINJA
     ours = JinjaChatTemplate(MARKED_JINJA)
@@ -166,7 +164,6 @@ def test_rendering_matches_transformers(hf_dir):
 
 
 def test_template_errors_are_one_line(hf_dir, tmp_path, monkeypatch):
-    pytest.importorskip("jinja2")
     (tmp_path / "tokenizer.json").write_text((hf_dir / "tokenizer.json").read_text())
     assert isinstance(load_chat_template("auto", tmp_path), ChatMLTemplate)  # no template: ChatML
     with pytest.raises(ChatTemplateError, match="no chat_template"):
