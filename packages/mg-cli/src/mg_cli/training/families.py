@@ -16,12 +16,16 @@ replicas, so the logged loss does not depend on the layout):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mg_cli.config import ConfigError, RunConfig
 from mg_cli.training.setup import TrainingError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made
+    import torch
 
 FAMILIES = ("gpt", "bert", "t5")
 
@@ -228,69 +232,77 @@ def special_tokens(config: RunConfig, tokenizer: Any) -> SpecialTokens:
 # ------------------------------------------------------------------------------------------------- loss
 
 
-def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain"
-                     ) -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
-    """``forward_step(batch, chunk) -> (output, loss_fn)`` of ``family`` for the pipeline schedules.
+def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.float()
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
-    ``data_format="sft"``: packed conversations; every stage gets their ``document_ids`` (no attention
-    across conversations) and ``position_ids`` (restarting per conversation).
 
-    ``loss_fn(output) -> (loss, logs)``: the micro-batch loss (see the module docstring) and the
-    detached parts (``lm_loss``, ``sop_loss``/``nsp_loss``) to log.
-    """
-    import torch
+def _gpt_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+    output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
+    return output, lambda per_token: (_masked_mean(per_token, batch["loss_mask"]), {})
+
+
+def _sft_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+    output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                   document_ids=batch["document_ids"])
+    return output, lambda per_token: (_masked_mean(per_token, batch["loss_mask"]), {})
+
+
+def _gpt_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+    # Per-sample losses of the label read at each sequence's last real token: their mean.
+    output = chunk(batch["tokens"], labels=batch["label"], attention_mask=batch["attention_mask"])
+    return output, lambda per_sample: (per_sample.float().mean(), {})
+
+
+def _bert_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+    output = chunk(batch["text"], batch["types"], batch["padding_mask"], labels=batch["label"])
+    return output, lambda per_sample: (per_sample.float().mean(), {})
+
+
+def _bert_step(batch: dict[str, torch.Tensor], chunk: Any, *, sentence_task: str) -> tuple[Any, Any]:
     import torch.nn.functional as F
 
-    def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        mask = mask.float()
-        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    # Every stage gets the padding mask (attention); the first the ids, the last the targets.
+    output = chunk(batch["text"], batch["types"], batch["padding_mask"], lm_labels=batch["labels"])
 
-    def gpt_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
-        return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
+    def loss_fn(out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, dict[str, Any]]:
+        lm, binary = out
+        lm_loss = _masked_mean(lm, batch["loss_mask"])
+        if binary is None:
+            return lm_loss, {"lm_loss": lm_loss.detach()}
+        binary_loss = F.cross_entropy(binary.float(), batch["is_random"])
+        return lm_loss + binary_loss, {"lm_loss": lm_loss.detach(), f"{sentence_task}_loss": binary_loss.detach()}
+    return output, loss_fn
 
-    def gpt_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        # Per-sample losses of the label read at each sequence's last real token: their mean.
-        output = chunk(batch["tokens"], labels=batch["label"], attention_mask=batch["attention_mask"])
-        return output, lambda per_sample: (per_sample.float().mean(), {})
 
-    def bert_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        output = chunk(batch["text"], batch["types"], batch["padding_mask"], labels=batch["label"])
-        return output, lambda per_sample: (per_sample.float().mean(), {})
+def _t5_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+    # Decoder padding follows every target, so the causal mask alone keeps real positions off it.
+    per_token, _ = chunk(batch["text_enc"], batch["text_dec"], batch["enc_mask"], labels=batch["labels"])
 
-    def sft_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
-                       document_ids=batch["document_ids"])
-        return output, lambda per_token: (masked_mean(per_token, batch["loss_mask"]), {})
+    def loss_fn(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss = _masked_mean(out, batch["loss_mask"])
+        return loss, {"lm_loss": loss.detach()}
+    return per_token, loss_fn
 
-    def bert_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        # Every stage gets the padding mask (attention); the first the ids, the last the targets.
-        output = chunk(batch["text"], batch["types"], batch["padding_mask"], lm_labels=batch["labels"])
 
-        def loss_fn(out: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, dict[str, Any]]:
-            lm, binary = out
-            lm_loss = masked_mean(lm, batch["loss_mask"])
-            if binary is None:
-                return lm_loss, {"lm_loss": lm_loss.detach()}
-            binary_loss = F.cross_entropy(binary.float(), batch["is_random"])
-            return lm_loss + binary_loss, {"lm_loss": lm_loss.detach(),
-                                           f"{sentence_task}_loss": binary_loss.detach()}
-        return output, loss_fn
+def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain"
+                     ) -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
+    """``forward_step(batch, chunk) -> (output, loss_fn)`` of ``family`` and ``data_format`` for the pipeline
+    schedules.
 
-    def t5_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-        # Decoder padding follows every target, so the causal mask alone keeps real positions off it.
-        per_token, _ = chunk(batch["text_enc"], batch["text_dec"], batch["enc_mask"], labels=batch["labels"])
-
-        def loss_fn(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            loss = masked_mean(out, batch["loss_mask"])
-            return loss, {"lm_loss": loss.detach()}
-        return per_token, loss_fn
-
+    ``loss_fn(output) -> (loss, logs)``: the micro-batch loss (see the module docstring) and the detached parts
+    (``lm_loss``, ``sop_loss``/``nsp_loss``) to log. ``sft``: packed conversations, every stage getting their
+    ``document_ids`` (no attention across conversations) and ``position_ids`` (restarting per conversation);
+    ``classification``: the mean of the per-sample losses of the head; t5's ``seq2seq`` samples are shaped like
+    its pretraining samples.
+    """
     if data_format == "sft":
-        return sft_step
+        return _sft_step
     if data_format == "classification":
-        return {"gpt": gpt_classification_step, "bert": bert_classification_step}[family]
-    return {"gpt": gpt_step, "bert": bert_step, "t5": t5_step}[family]  # pretraining, and t5's seq2seq samples
+        return {"gpt": _gpt_classification_step, "bert": _bert_classification_step}[family]
+    if family == "bert":
+        return functools.partial(_bert_step, sentence_task=sentence_task)
+    return {"gpt": _gpt_step, "t5": _t5_step}[family]
 
 
 def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length: int, data_format: str = "pretrain",
