@@ -32,7 +32,7 @@ test-packages: $(STAMP)
 	@for p in $(PACKAGES); do bash .ci/test_package.sh $$p || exit 1; done
 
 test-e2e: $(STAMP)
-	$(VENV)/bin/pytest tests/e2e
+	$(VENV)/bin/pytest tests/e2e --durations=15
 
 clean:
 	rm -rf $(VENV) .venvs dist build

@@ -99,6 +99,15 @@ LAYOUTS = {  # name: (processes, --set values, effective settings besides BASE_S
 }
 
 
+def _assert_resumes_exactly(args: list[str], ref: dict[int, dict], log: Path) -> None:
+    """``mg train args`` (a resume from iteration 3 of the reference) gives iterations 4..6 bit for bit."""
+    mg(*args)
+    again = iteration_records(log)
+    assert sorted(again) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert (again[it]["loss"], again[it]["grad_norm"]) == (ref[it]["loss"], ref[it]["grad_norm"]), it
+
+
 def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_path):
     """SFT of the tp2-pretrained GPT: one process, tp2 with sequence parallelism and pp2 x dp2 with the distributed
     optimizer agree at every iteration; a resume from iteration 3 continues bit-exactly; a Hugging Face export of
@@ -117,11 +126,8 @@ def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_
         assert_same_training(iteration_records(log), ref, f"sft {name}")
 
     resumed = tmp_path / "resumed"
-    mg(*tiny_args(corpus, resumed, *FT, *sft, f"checkpoint.load={tmp_path / 'ref-ckpt' / 'iter_0000003'}"))
-    again = iteration_records(resumed)
-    assert sorted(again) == [4, 5, 6]
-    for it in (4, 5, 6):
-        assert (again[it]["loss"], again[it]["grad_norm"]) == (ref[it]["loss"], ref[it]["grad_norm"]), it
+    _assert_resumes_exactly(
+        tiny_args(corpus, resumed, *FT, *sft, f"checkpoint.load={tmp_path / 'ref-ckpt' / 'iter_0000003'}"), ref, resumed)
 
     hf = tmp_path / "pretrained-hf"
     mg("convert", "--to", "hf", "--input", str(pretrained), "--output", str(hf))
@@ -142,7 +148,7 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
     from mg_models import load_pretrained
 
     cls = ["data.format=classification", f"data.path={tasks['labels']}", f"checkpoint.init_from={pretrained}",
-           "model.seq_length=32"]
+           "model.seq_length=32", "checkpoint.interval=3"]
     ref_log, out = _finetune(corpus, tmp_path, "ref", 1, *cls)
     assert "initialised (not in the pretrained model): score.weight;" in out, out[-3000:]
     ref = iteration_records(ref_log)
@@ -151,6 +157,9 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
         log, out = _finetune(corpus, tmp_path, name, nproc, *cls, *sets)
         assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
         assert_same_training(iteration_records(log), ref, f"classification {name}")
+    resumed = tmp_path / "resumed"
+    _assert_resumes_exactly(
+        tiny_args(corpus, resumed, *FT, *cls, f"checkpoint.load={tmp_path / 'ref-ckpt' / 'iter_0000003'}"), ref, resumed)
 
     hf_dir = tmp_path / "hf"
     mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))
@@ -169,14 +178,58 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bert_classification_layout_and_export(bert_t5_corpus, tmp_path):
+    """BERT with a classification head over [CLS] (from a .jsonl, string labels): tp2 with sequence parallelism
+    agrees with one process; the export is a BertForSequenceClassification whose logits equal mg's."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from mg_data import build_tokenizer
+    from mg_models import load_pretrained
+
+    data = _write(tmp_path / "labels.jsonl", _labelled(240, 4))
+    base = ["data.format=classification", f"data.path={data}", "model.seq_length=32", "data.on_long=truncate",
+            "data.split=90,10,0", f"checkpoint.save={tmp_path / 'ref-ckpt'}"]
+    ref_log = tmp_path / "ref"
+    mg(*family_args(bert_t5_corpus, "bert", ref_log, *base, iters=6))
+    ref = iteration_records(ref_log)
+    nproc, sets, settings = LAYOUTS["tp2-sp"]
+    log = tmp_path / "tp2-sp"
+    out = mg(*family_args(bert_t5_corpus, "bert", log, *base[:-1], *sets, iters=6), "--nproc-per-node", "2").stdout
+    assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
+    assert_same_training(iteration_records(log), ref, "bert classification tp2-sp")
+
+    hf_dir = tmp_path / "hf"
+    mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))
+    hf, info = AutoModelForSequenceClassification.from_pretrained(hf_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(hf).__name__ == "BertForSequenceClassification" and hf.config.id2label[2] == "pos"
+    tok = build_tokenizer(str(bert_t5_corpus["tokenizer"]))
+    cls_id, sep_id = (tok.sp.piece_to_id(p) for p in ("<cls>", "<sep>"))
+    x = torch.tensor([[cls_id, *tok.encode("good happy warm"), sep_id]])
+    with torch.no_grad():
+        expected = hf.eval()(input_ids=x).logits
+        got = load_pretrained(tmp_path / "ref-ckpt")(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_t5_seq2seq_from_jsonl(bert_t5_corpus, tmp_path):
     """T5 on {input, target} pairs read from a .jsonl file: tp2 x dp2 with the distributed optimizer agrees with one
-    process; a key of another format is a one-line error."""
+    process and a resume is bit-exact; the export's T5ForConditionalGeneration loss on a batch equals mg's (1e-6);
+    a key of another format is a one-line error."""
+    import numpy as np
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    from mg_data import Seq2SeqDatasetConfig, build_seq2seq_datasets, build_tokenizer
+    from mg_models import load_pretrained
+
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(240, 3))
     base = ["data.format=seq2seq", f"data.path={pairs}", "model.seq_length=12", "model.decoder_seq_length=12",
             "data.split=90,10,0"]
     ref_log = tmp_path / "ref"
-    mg(*family_args(bert_t5_corpus, "t5", ref_log, *base, iters=6))
+    mg(*family_args(bert_t5_corpus, "t5", ref_log, *base, f"checkpoint.save={tmp_path / 'ref-ckpt'}",
+                    "checkpoint.interval=3", iters=6))
     ref = iteration_records(ref_log)
     assert ref[6]["loss"] < ref[1]["loss"]
     nproc, sets, settings = LAYOUTS["tp2-dp2-do"]
@@ -184,6 +237,25 @@ def test_t5_seq2seq_from_jsonl(bert_t5_corpus, tmp_path):
     out = mg(*family_args(bert_t5_corpus, "t5", log, *base, *sets, iters=6), "--nproc-per-node", str(nproc)).stdout
     assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
     assert_same_training(iteration_records(log), ref, "seq2seq tp2-dp2-do")
+    resumed = tmp_path / "resumed"
+    _assert_resumes_exactly(family_args(bert_t5_corpus, "t5", resumed, *base, "checkpoint.load="
+                                        f"{tmp_path / 'ref-ckpt' / 'iter_0000003'}", iters=6), ref, resumed)
+
+    hf_dir = tmp_path / "hf"
+    mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))
+    hf = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+    tok = build_tokenizer(str(bert_t5_corpus["tokenizer"]))
+    pad = tok.sp.piece_to_id("<pad>")
+    ds, _, _ = build_seq2seq_datasets(Seq2SeqDatasetConfig(encoder_seq_length=12, decoder_seq_length=12,
+                                                           eos_id=tok.eod, pad_id=pad), [str(pairs)], tokenizer=tok)
+    batch = {k: torch.from_numpy(np.stack([ds[i][k] for i in range(4)])) for k in ds[0]}
+    with torch.no_grad():
+        expected = hf(input_ids=batch["text_enc"], attention_mask=batch["enc_mask"],
+                      decoder_input_ids=batch["text_dec"], labels=batch["labels"]).loss
+        per_token, _ = load_pretrained(tmp_path / "ref-ckpt")(batch["text_enc"], batch["text_dec"], batch["enc_mask"],
+                                                              labels=batch["labels"])
+    mask = batch["loss_mask"]
+    assert (per_token * mask).sum() / mask.sum() == pytest.approx(expected.item(), rel=1e-6)
 
     from click.testing import CliRunner
 
