@@ -30,3 +30,29 @@ def test_eval_checkpoint_one_process_and_tp2(corpus, layout_runs, tmp_path):
         for name, m in ra["metrics"].items():
             assert rb["metrics"][name]["value"] == pytest.approx(m["value"], rel=1e-6, abs=1e-6), (ra["task"], name)
         assert ra.get("outputs") == rb.get("outputs")
+
+
+def test_eval_tasks_in_the_training_loop(corpus, tmp_path):
+    """eval.tasks at tp2 (two processes) logs eval/<task>/<metric> at every evaluation, equal (1e-6) to what
+    `mg eval` on one process reports for the checkpoint of the same iteration (at the training context length,
+    --max-length model.seq_length); `mg plot` draws them."""
+    from tests.e2e.conftest import read_metrics, tiny_args
+
+    texts = [json.loads(line)["text"][:300] for line in corpus["jsonl"].read_text().splitlines()[:3]]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"context": "def main(", "choices": [")", "self):", "x"],
+                                                           "answer": i % 3}) + "\n" for i in range(4)))
+    tasks = f"eval.tasks=[ppl=perplexity:{tmp_path / 't.jsonl'}, mc=choice:{tmp_path / 'mc.jsonl'}]"
+    log = tmp_path / "log"
+    mg(*tiny_args(corpus, log, tasks, "parallel.tp=2", "eval.interval=2", f"checkpoint.save={tmp_path / 'ckpt'}",
+                  "checkpoint.interval=2", iters=4), "--nproc-per-node", "2")
+    records = {r["iteration"]: r for r in read_metrics(log) if "eval/ppl/nll_per_token" in r}
+    assert sorted(records) == [2, 4]
+    mg("eval", "--checkpoint", str(tmp_path / "ckpt" / "iter_0000004"), "--task", f"ppl=perplexity:{tmp_path / 't.jsonl'}",
+       "--task", f"mc=choice:{tmp_path / 'mc.jsonl'}", "--max-length", "32", "--json", str(tmp_path / "eval.json"))
+    offline = json.loads((tmp_path / "eval.json").read_text())["results"]
+    for result in offline:
+        for name, m in result["metrics"].items():
+            assert records[4][f"eval/{result['task']}/{name}"] == pytest.approx(m["value"], rel=1e-6), name
+    mg("plot", str(log), "-o", str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -122,6 +122,9 @@ class EvalKeys:
     """Evaluate every this many iterations (0: only at the end if iters > 0)."""
     iters: int = 10
     """Validation micro-batches per evaluation."""
+    tasks: list[str] = field(default_factory=list)
+    """`mg eval` tasks run at every evaluation on the model being trained, as KIND:PATH or NAME=KIND:PATH (mg eval
+    --task); each metric is logged as eval/<task>/<metric>."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.iters < 0:

@@ -31,7 +31,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
-    """Draw loss (train and validation) and tokens/s against iteration into ``out`` (PNG)."""
+    """Draw loss (train and validation), tokens/s and the ``eval/<task>/<metric>`` values of ``eval.tasks`` against
+    iteration into ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +40,18 @@ def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
 
     train = [r for r in rows if "loss" in r and "iteration" in r]
     val = [r for r in rows if "val_loss" in r and "iteration" in r]
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    # eval.tasks metrics (perplexity left out: nll_per_token carries it on a scale the others share)
+    tasks = sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("/perplexity")})
+    fig, axes = plt.subplots(1, 3 if tasks else 2, figsize=(16.5 if tasks else 11, 4))
+    ax_loss, ax_tps = axes[0], axes[1]
+    if tasks:
+        for key in tasks:
+            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None and "iteration" in r]
+            axes[2].plot(*zip(*points), "o-", label=key.removeprefix("eval/"), lw=1)
+        axes[2].set_xlabel("iteration")
+        axes[2].set_ylabel("eval.tasks metrics")
+        axes[2].legend(fontsize="small")
+        axes[2].grid(alpha=0.3)
     if train:
         ax_loss.plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
     if val:

@@ -95,8 +95,10 @@ def preflight(config: RunConfig, env: Env) -> Plan:
         schedule = lr_schedule(config.optim, config.train.iters)
     except ValueError as e:
         raise TrainingError(str(e)) from None
+    from mg_cli.training.tasks import parse_tasks
+
     return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained,
-                labels=labels)
+                labels=labels, tasks=parse_tasks(config))
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:
@@ -117,6 +119,7 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     from mg_cli.training.policy import CheckpointPolicy, StopConditions
     from mg_cli.training.run import build_run
     from mg_cli.training.step import evaluate, train_step
+    from mg_cli.training.tasks import LoopTasks
     from mg_cli.training.throughput import peak_flops
 
     run = build_run(config, env, plan, load_path, saver)
@@ -130,12 +133,13 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     checkpoints = CheckpointPolicy(run, logger.message)
     stops = StopConditions(stop, run.grid, t.exit_after_minutes)
 
+    tasks = LoopTasks(run, plan.tasks) if plan.tasks else None
+
     def validate(iteration: int) -> float | None:
-        if not valid:
-            return None
-        record = evaluate(run, valid)
-        logger.log({"iteration": iteration, **record})
-        return record["val_loss"]
+        record = {**(evaluate(run, valid) if valid else {}), **(tasks() if tasks else {})}
+        if record:
+            logger.log({"iteration": iteration, **record})
+        return record.get("val_loss")
 
     last_loss = last_val = None
     iteration = start_iter
@@ -159,7 +163,8 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
                 return {**summary, "signal": decision.signum, "saved": path} if decision.request == STOP else summary
             if decision.request == SAVE:
                 checkpoints.save(iteration, StopConditions.describe(decision, iteration, t.exit_after_minutes))
-        if valid and iteration > start_iter and (config.eval.interval == 0 or iteration % config.eval.interval != 0):
+        if (valid or tasks) and iteration > start_iter and (config.eval.interval == 0
+                                                            or iteration % config.eval.interval != 0):
             last_val = validate(iteration)
         if iteration > start_iter:
             checkpoints.save(iteration)

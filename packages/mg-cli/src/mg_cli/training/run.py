@@ -47,6 +47,7 @@ class Run:
     """What ``checkpoint.init_from`` loaded, initialised and dropped (one line), when it was used."""
     labels: tuple[list[str] | None, int] | None = None
     """Classification: (label names, or None for integer labels; number of labels), saved with checkpoints."""
+    tokenizer: Any = None
 
     @property
     def num_micro(self) -> int:
@@ -101,6 +102,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, config.data.format,
                                              recompute=config.parallel.recompute_granularity == "full"),
         saver=saver, start_iter=start_iter, init_report=init_report, labels=plan.labels,
+        tokenizer=plan.tokenizer,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class Plan:
     """``checkpoint.init_from``'s model (``mg_cli.training.pretrained.Pretrained``), or None."""
     labels: tuple[list[str] | None, int] | None = None
     """Classification: (label names, or None for integer labels; number of labels)."""
+    tasks: list[Any] = field(default_factory=list)
+    """``eval.tasks`` parsed (``mg_cli.evaluation.TaskSpec``)."""
 
 
 def read_env() -> Env:
