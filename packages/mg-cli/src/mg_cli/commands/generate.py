@@ -52,11 +52,14 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]
 @click.option("--top-p", type=float, default=1.0, help="1.0 = off.")
 @click.option("--seed", type=int, default=0, help="Sampling seed.")
 @click.option("--stop-at-eod/--no-stop-at-eod", default=True, help="Stop a prompt at the end-of-document token.")
+@click.option("--stop-token", "stop_tokens", multiple=True, metavar="TEXT",
+              help="Also stop a prompt after this token, e.g. '<|im_end|>' (repeat for several); the text must "
+                   "encode to exactly one token.")
 @click.option("--json", "as_json", is_flag=True, help="Print token ids and per-token log-probabilities as JSON.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32")
 def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, ...], max_new_tokens: int,
-             temperature: float, top_k: int, top_p: float, seed: int, stop_at_eod: bool, as_json: bool,
-             dtype: str) -> None:
+             temperature: float, top_k: int, top_p: float, seed: int, stop_at_eod: bool,
+             stop_tokens: tuple[str, ...], as_json: bool, dtype: str) -> None:
     """Generate text from PROMPTs with a KV cache.
 
     GPT models continue the prompt. T5 models encode the prompt and decode a new text from the
@@ -67,6 +70,8 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
       mg generate --checkpoint runs/demo/checkpoints --prompt "def main("
       mg generate --checkpoint ckpt --prompt "import os" --temperature 0.8 --top-p 0.9 --json
       mg generate --checkpoint t5-ckpt --prompt "translate English to German: hello" --json
+      mg generate --checkpoint sft-ckpt --prompt $'<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n' \\
+                  --stop-token '<|im_end|>'
     """
     import torch
 
@@ -86,9 +91,17 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
         ids = [tok.encode(p) for p in prompts]
         if any(len(i) == 0 for i in ids):
             raise click.ClickException("a prompt encodes to no tokens; give some text")
+        stop_ids = [tok.eod] if stop_at_eod and tok.eod is not None else []
+        for text in stop_tokens:
+            piece = tok.encode(text)
+            if len(piece) != 1:
+                raise click.ClickException(f"--stop-token {text!r} encodes to {len(piece)} tokens {piece} with "
+                                           f"{tokenizer_model}, not one; give a single token of the tokenizer "
+                                           f"(e.g. a symbol it was trained with: mg tokenizer train "
+                                           f"--user-defined-symbols)")
+            stop_ids.append(piece[0])
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, seed=seed,
-                                  stop_token_ids=(tok.eod,) if stop_at_eod and tok.eod is not None else ())
+                                  top_p=top_p, seed=seed, stop_token_ids=tuple(stop_ids))
         seq2seq = isinstance(model, T5Model)
         if seq2seq:
             # mg train starts T5 targets with the padding token (Hugging Face's convention too, where it is 0).
