@@ -100,8 +100,8 @@ class DataKeys:
     """Dataset prefix (PREFIX.bin/.idx; fine-tuning formats: the --output-prefix of `mg preprocess`, or a .jsonl
     file), or a [weight, prefix, weight, prefix, ...] blend."""
     valid_path: str | None = None
-    """Validation data of the fine-tuning formats (a prefix or .jsonl file) used whole instead of a data.split
-    share of data.path."""
+    """Validation data of the fine-tuning formats (sft: a preprocessed prefix; classification, seq2seq: a prefix or
+    .jsonl file) used whole instead of a data.split share of data.path."""
     tokenizer_model: str | None = None
     """Tokenizer file (SentencePiece .model or tokenizer.json)."""
     num_workers: int = 1

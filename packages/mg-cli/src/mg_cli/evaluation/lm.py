@@ -178,11 +178,13 @@ class LMScorer:
                  seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
         """Continuations (token ids) of each prompt, with the model's KV-cache generation, in batches.
 
-        Prompts are left-truncated so that prompt + ``max_new_tokens`` fit the context. Sampling with
+        Prompts are left-truncated so that prompt + ``max_new_tokens`` fit the context (T5: the prompt alone,
+        its encoder input). Sampling with
         ``temperature > 0`` is seeded per prompt (``seed`` + its index), so results do not depend on
         the batch or the layout.
         """
-        keep = self.max_length - max_new_tokens
+        # A decoder-only model's prompt and continuation share the context; T5's encoder input has it to itself.
+        keep = self.max_length if self.runner.family == "t5" else self.max_length - max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the context "
                              f"length {self.max_length}")

@@ -49,19 +49,24 @@ def default_tokenizer(checkpoint: str | os.PathLike[str], extra: dict[str, Any])
     return None
 
 
+T5_CONTEXT = 512
+"""Default encoder input length of T5 models (the T5 paper's input length)."""
+
+
 class ModelRunner:
     """One replica of a model (GPT, BERT or T5; whole, or this rank's tensor-parallel shard).
 
     Args:
         model: the model (pre_process and post_process on this rank).
-        max_length: context length (tokens); default the config's ``max_position_embeddings``.
+        max_length: context length (tokens); default the config's ``max_position_embeddings`` (T5, whose
+            relative positions have no such limit: :data:`T5_CONTEXT`).
         dp_group: the data-parallel process group (None: one replica, no collectives).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None) -> None:
         self.model = model.eval()
         self.config = model.config
-        self.max_length = int(max_length or self.config.max_position_embeddings)
+        self.max_length = int(max_length or (T5_CONTEXT if self.family == "t5" else self.config.max_position_embeddings))
         self.dp_group = dp_group
         self.device = next(model.parameters()).device
 

@@ -83,7 +83,7 @@ _BUILDERS = {GPTDatasetConfig: build_gpt_datasets, BertDatasetConfig: build_bert
              ClassificationDatasetConfig: build_classification_datasets, Seq2SeqDatasetConfig: build_seq2seq_datasets}
 """Train/valid/test datasets of each dataset config class."""
 _EXAMPLES = (ClassificationDatasetConfig, Seq2SeqDatasetConfig)
-"""Example datasets: they read .jsonl files too (with the tokenizer) and take an explicit validation set."""
+"""Example datasets: they read .jsonl files too (with the tokenizer)."""
 
 
 def build_datasets(config: RunConfig, ds_config: Any, tokenizer: Any, wanted: tuple[int | None, ...]) -> list[Any]:
@@ -98,8 +98,8 @@ def build_datasets(config: RunConfig, ds_config: Any, tokenizer: Any, wanted: tu
     extra: dict[str, Any] = {}
     if cls in _EXAMPLES:
         extra["tokenizer"] = tokenizer
-        if d.valid_path is not None:
-            extra["blend_per_split"] = [blend, [d.valid_path], None]
+    if d.valid_path is not None:  # the fine-tuning formats' own validation set, used whole
+        extra["blend_per_split"], blend = [blend, [d.valid_path], None], None
     try:
         return _BUILDERS[cls](ds_config, blend, wanted, **extra)
     except NotSentenceSplitError as e:

@@ -161,7 +161,8 @@ def step_record(run: Any, result: Any, peak: Any) -> dict[str, Any]:
     t = run.config.train
     tokens_per_s = t.global_batch_size * run.config.model.seq_length / result.seconds
     flops_per_device = run.flops_per_token * tokens_per_s / run.grid.world_size
-    return {
+    raised = peak.observe(flops_per_device)
+    return {**({"mfu_peak_tflops_per_device": peak.flops_per_s / 1e12} if raised else {}),
         "iteration": result.iteration, "loss": result.loss, **result.parts, "lr": result.lr,
         "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s, "mfu": peak.utilization(flops_per_device),
         "tflops_per_device": flops_per_device / 1e12, "step_time_s": result.seconds,

@@ -152,9 +152,9 @@ def check_files(config: RunConfig) -> None:
     paths = d.path if isinstance(d.path, list) else [d.path]
     _check_dataset("data.path", d.format, paths)
     if d.valid_path is not None:
-        if d.format in ("pretrain", "sft"):
-            raise TrainingError(f"data.valid_path is for the classification and seq2seq formats; with "
-                                f"data.format={d.format} validation is a data.split share")
+        if d.format == "pretrain":
+            raise TrainingError("data.valid_path is for the fine-tuning formats (sft, classification, seq2seq); "
+                                "pretraining validates on a data.split share of data.path")
         _check_dataset("data.valid_path", d.format, [d.valid_path])
     c = config.checkpoint
     if c.load is not None and not os.path.exists(c.load):
