@@ -146,3 +146,19 @@ def test_measured_peak_bounds_a_matmul_heavy_step(monkeypatch, dtype):
     assert peak.source.startswith("measured ") and peak.source.endswith(" on cpu")
     assert achieved <= own <= peak.flops_per_s, (achieved, own, peak)
     assert measure_s < 3.0, measure_s  # start-up cost: ~0.2-0.5 s per dtype here
+
+
+def test_a_measured_peak_below_a_step_is_measured_again():
+    """A step faster than the measured peak raises it to the best of a new measurement and the step's rate (both
+    lower bounds of the device's peak); a published peak is never raised."""
+    from mg_cli.training.throughput import PeakFlops
+
+    calls = []
+    measured = PeakFlops(10.0, "measured fp32 on cpu", remeasure=lambda: calls.append(1) or 12.0)
+    assert not measured.observe(9.0) and calls == [] and measured.flops_per_s == 10.0
+    assert measured.observe(11.0) and calls == [1] and measured.flops_per_s == 12.0
+    assert measured.utilization(11.0) == 11.0 / 12.0
+    assert measured.source == "measured fp32 on cpu (raised by a step that ran faster than the first measurement)"
+    assert measured.observe(20.0) and measured.flops_per_s == 20.0  # the step's own rate when it beats both
+    published = PeakFlops(10.0, "published H100 SXM bf16")
+    assert not published.observe(11.0) and published.utilization(11.0) == 1.1
