@@ -108,6 +108,20 @@ def _assert_resumes_exactly(args: list[str], ref: dict[int, dict], log: Path) ->
         assert (again[it]["loss"], again[it]["grad_norm"]) == (ref[it]["loss"], ref[it]["grad_norm"]), it
 
 
+def _assert_layouts_and_resume(corpus, root: Path, sets: list[str], ref: dict[int, dict], layouts: tuple[str, ...],
+                               what: str) -> None:
+    """Each of ``layouts`` reports its settings and trains as the one-process ``ref`` (``root/ref-ckpt``, saved at
+    iteration 3); a resume from iteration 3 at one process is bit-exact."""
+    for name in layouts:
+        nproc, layout_sets, settings = LAYOUTS[name]
+        log, out = _finetune(corpus, root, name, nproc, *sets, *layout_sets)
+        assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
+        assert_same_training(iteration_records(log), ref, f"{what} {name}")
+    resumed = root / "resumed"
+    _assert_resumes_exactly(
+        tiny_args(corpus, resumed, *FT, *sets, f"checkpoint.load={root / 'ref-ckpt' / 'iter_0000003'}"), ref, resumed)
+
+
 def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_path):
     """SFT of the tp2-pretrained GPT: one process, tp2 with sequence parallelism and pp2 x dp2 with the distributed
     optimizer agree at every iteration; a resume from iteration 3 continues bit-exactly; a Hugging Face export of
@@ -119,15 +133,7 @@ def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_
            "dropped (unused by this model): none" in out, out[-3000:]
     ref = iteration_records(ref_log)
     assert ref[6]["loss"] < ref[1]["loss"]
-    for name in ("tp2-sp", "pp2-dp2-do"):
-        nproc, sets, settings = LAYOUTS[name]
-        log, out = _finetune(corpus, tmp_path, name, nproc, *sft, *sets)
-        assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
-        assert_same_training(iteration_records(log), ref, f"sft {name}")
-
-    resumed = tmp_path / "resumed"
-    _assert_resumes_exactly(
-        tiny_args(corpus, resumed, *FT, *sft, f"checkpoint.load={tmp_path / 'ref-ckpt' / 'iter_0000003'}"), ref, resumed)
+    _assert_layouts_and_resume(corpus, tmp_path, sft, ref, ("tp2-sp", "pp2-dp2-do"), "sft")
 
     hf = tmp_path / "pretrained-hf"
     mg("convert", "--to", "hf", "--input", str(pretrained), "--output", str(hf))
@@ -152,14 +158,7 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
     ref_log, out = _finetune(corpus, tmp_path, "ref", 1, *cls)
     assert "initialised (not in the pretrained model): score.weight;" in out, out[-3000:]
     ref = iteration_records(ref_log)
-    for name in ("tp2-dp2-do", "pp2"):
-        nproc, sets, settings = LAYOUTS[name]
-        log, out = _finetune(corpus, tmp_path, name, nproc, *cls, *sets)
-        assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
-        assert_same_training(iteration_records(log), ref, f"classification {name}")
-    resumed = tmp_path / "resumed"
-    _assert_resumes_exactly(
-        tiny_args(corpus, resumed, *FT, *cls, f"checkpoint.load={tmp_path / 'ref-ckpt' / 'iter_0000003'}"), ref, resumed)
+    _assert_layouts_and_resume(corpus, tmp_path, cls, ref, ("tp2-dp2-do", "pp2"), "classification")
 
     hf_dir = tmp_path / "hf"
     mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))

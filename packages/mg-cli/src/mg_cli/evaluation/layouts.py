@@ -21,17 +21,6 @@ from mg_cli.evaluation.runner import ModelRunner, load_model
 __all__ = ["PipelineRunner", "build_runner"]
 
 
-def _fill_from_state(model: torch.nn.Module, grid: Any, state: dict[str, torch.Tensor]) -> None:
-    """Copy each parameter's slice of the unsharded ``state`` (mg names) into this rank's shard."""
-    from mg_cli.training.checkpointing import WORD_EMBEDDING, model_state
-
-    for key, piece in model_state([model], grid, for_load=True).items():
-        name = key.removeprefix("model/").removesuffix("#tied")
-        full = state[name] if name in state else state[WORD_EMBEDDING]  # a tied head reads the embedding
-        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local.shape))
-        piece.local.copy_(full[index])
-
-
 def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
                  max_length: int | None = None) -> tuple[Any, dict[str, Any], dict[str, int]]:
     """``(runner, checkpoint state, {"rank", "tp", "pp", "dp", "processes"})`` for this process.
@@ -76,7 +65,9 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
 
         load(os.fspath(checkpoint), [model], None, grid, load_optimizer=False)
     else:
-        _fill_from_state(model, grid, state)
+        from mg_cli.training.checkpointing import copy_from_unsharded
+
+        copy_from_unsharded([model], grid, state)
     info = {"rank": grid.rank, "tp": tp, "pp": pp, "dp": grid.dp_size, "processes": grid.world_size}
     cls = PipelineRunner if pp > 1 else ModelRunner
     runner = cls(model, max_length=max_length, dp_group=grid.dp_group if grid.dp_size > 1 else None)

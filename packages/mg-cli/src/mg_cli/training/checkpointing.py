@@ -71,6 +71,33 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
     return out
 
 
+def copy_from_unsharded(chunks: list[torch.nn.Module], grid: ProcessGrid, state: dict[str, torch.Tensor]
+                        ) -> tuple[set[str], list[str]]:
+    """Copy this rank's block of each parameter of ``chunks`` from ``state`` (unsharded tensors by mg name; a tied
+    output weight reads the word embedding).
+
+    Returns:
+        ``(names of state used, parameters state has no tensor for)``.
+
+    Raises:
+        ValueError: a tensor whose shape differs from the parameter's global shape (names both).
+    """
+    used, missing = set(), []
+    for key, piece in model_state(chunks, grid, for_load=True).items():
+        name = key.removeprefix("model/").split("#")[0]
+        source = state.get(name)
+        if source is None:
+            missing.append(name)
+            continue
+        if tuple(source.shape) != tuple(piece.global_shape):
+            raise ValueError(f"{name} has shape {tuple(source.shape)} but {tuple(piece.global_shape)} in this model")
+        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local.shape))
+        with torch.no_grad():
+            piece.local.copy_(source[index])
+        used.add(name)
+    return used, missing
+
+
 def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool
                     ) -> tuple[dict[str, ShardedTensor], dict[str, Any]]:
     """The optimizer's tensors as logical-tensor pieces, plus its JSON part.

@@ -17,10 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mg_cli.training.checkpointing import WORD_EMBEDDING, is_tied_copy, unwrap
 from mg_cli.training.setup import TrainingError
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.tensor_parallel import shard_info
 
 
 @dataclass
@@ -94,24 +92,13 @@ def load_weights(chunks: list[torch.nn.Module], grid: ProcessGrid, pretrained: P
     Raises:
         TrainingError: a parameter whose global shape differs from the pretrained tensor's (names both).
     """
-    used, fresh = set(), []
-    for chunk in chunks:
-        module = unwrap(chunk)
-        for name, param in module.named_parameters():
-            key = WORD_EMBEDDING if is_tied_copy(module, name) else name
-            source = pretrained.params.get(key)
-            if source is None:
-                fresh.append(name)
-                continue
-            shape, offset = shard_info(param, grid, name=name)
-            if tuple(source.shape) != tuple(shape):
-                raise TrainingError(f"checkpoint.init_from: {key} has shape {tuple(source.shape)} in "
-                                    f"{pretrained.path} but {tuple(shape)} in this model; the model.* keys "
-                                    f"given change the architecture")
-            block = source[tuple(slice(o, o + n) for o, n in zip(offset, param.shape))]
-            with torch.no_grad():
-                param.copy_(block)
-            used.add(key)
+    from mg_cli.training.checkpointing import copy_from_unsharded
+
+    try:
+        used, fresh = copy_from_unsharded(chunks, grid, pretrained.params)
+    except ValueError as e:
+        raise TrainingError(f"checkpoint.init_from: {pretrained.path}: {e}; the model.* keys given change the "
+                            f"architecture") from None
     everyone = [(sorted(used), fresh)]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()  # type: ignore[list-item]

@@ -180,9 +180,10 @@ def _check_dataset(key: str, data_format: str, blend: list[Any]) -> None:
     if data_format in ("classification", "seq2seq") and len(prefixes) == 1 and os.path.isfile(prefixes[0]):
         return  # a JSONL file, read (and its lines checked) when the datasets are built
     if data_format in _FIELDS:
+        from mg_data.finetune import field_prefix
+
         fields = _FIELDS[data_format]
-        stems = [_stem(p, fields) for p in prefixes]
-        prefixes = [f"{stem}_{f}_document" for stem in stems for f in fields]
+        prefixes = [field_prefix(p, f, fields) for p in prefixes for f in fields]
     for prefix in prefixes:
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise TrainingError(
@@ -193,11 +194,3 @@ def _check_dataset(key: str, data_format: str, blend: list[Any]) -> None:
             IndexedDataset(prefix)  # header and size consistency; full verification is `mg inspect`
         except IndexedDatasetError as e:
             raise TrainingError(f"{key}: {e}") from None
-
-
-def _stem(prefix: str, fields: tuple[str, ...]) -> str:
-    """The output prefix of `mg preprocess` given it or one of its PREFIX_{field}_document prefixes."""
-    for f in fields:
-        if prefix.endswith(f"_{f}_document"):
-            return prefix[: -len(f"_{f}_document")]
-    return prefix
