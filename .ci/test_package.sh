@@ -41,6 +41,28 @@ fi
 main_whl=$(ls "$dist"/$(echo "$pkg" | tr - _)-*.whl)
 others=()
 for f in "$dist"/*.whl; do [[ "$f" != "$main_whl" ]] && others+=("$f"); done
+# The largest third-party requirements (torch, transformers) are unpacked once into a shared
+# directory per constraints file, and each venv whose packages declare them gets that directory on
+# its path through a .pth file, so pip sees them as installed. A venv whose packages do not
+# declare them does not get the directory, so isolation is what it was.
+shared() {
+  local req="$1" dir=".venvs/_shared/$1-$(cat constraints.txt | sha256sum | cut -c1-12)"
+  if [[ ! -f "$dir/.done" ]]; then
+    rm -rf "$dir"
+    quiet $dev -m pip install -q -c constraints.txt --target "$dir" "$req"
+    touch "$dir/.done"
+  fi
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$(cd "$dir" && pwd)" > "$site/_mg_shared_$req.pth"
+}
+for req in torch transformers; do
+  # declared in a [project] dependencies list of a needed package, or in this package's test extra
+  if grep -q "^dependencies = .*\"$req[>=<\"]" $(for p in "${needed[@]}"; do echo "packages/$p/pyproject.toml"; done) ||
+     grep -q "^test = .*\"$req[>=<\"]" "packages/$pkg/pyproject.toml"; then
+    shared "$req"
+  fi
+done
 quiet "$venv/bin/python" -m pip install -q -c constraints.txt --force-reinstall --no-deps "$main_whl" "${others[@]}"
 quiet "$venv/bin/python" -m pip install -q -c constraints.txt "${main_whl}[test]" "${others[@]}"
 echo "$key" > "$venv/.key"
