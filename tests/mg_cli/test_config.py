@@ -252,3 +252,21 @@ def test_list_keys_shows_every_key_with_its_docstring():
         in listing.splitlines()
     assert "  tp: 1  # int; Tensor-parallel size: each layer's weights are split over this many ranks." \
         in listing.splitlines()
+
+
+def test_a_mapping_key_takes_a_yaml_mapping(tmp_path):
+    """model.rotary_scaling (a dict field of GPTConfig) is written as a YAML mapping and checked by GPTConfig."""
+    from mg_cli.training import TrainingError
+    from mg_cli.training.build import model_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny-llama\n  rotary_scaling: {type: llama3, factor: 8, low_freq_factor: 1,\n"
+                    "    high_freq_factor: 4, original_max_position_embeddings: 64}\n")
+    gpt = model_config(load_config(path), 300)
+    assert gpt.rotary_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match=r"model.rotary_scaling=8 has the wrong type; expected dict or null"):
+        load_config(None, ["model.rotary_scaling=8"])
+    with pytest.raises(TrainingError, match=r"missing model.rotary_scaling.original_max_position_embeddings"):
+        model_config(load_config(None, ["model.preset=tiny-llama", "model.rotary_scaling={type: yarn, factor: 4}"]),
+                     300)

@@ -298,6 +298,10 @@ def check_type(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, list):
             return value
         raise ConfigError(f"{key}={value!r} should be a list")
+    if origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key}={value!r} should be a mapping ({{name: value, ...}})")
     if tp is Any:
         return value
     if tp is bool:

@@ -10,12 +10,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "ModelConfigBase", "check_parallel"]
+__all__ = ["ROTARY_SCALING_PARAMETERS", "GPTConfig", "ModelConfigBase", "check_parallel", "check_rotary_scaling"]
 
 _POSITION_EMBEDDINGS = ("learned", "rope", "none")
 _NORMALIZATIONS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 _HEADS = ("lm", "classification")
+ROTARY_SCALING_PARAMETERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+}
+"""Rotary scaling types of ``GPTConfig.rotary_scaling``: (required, optional) parameters, with Hugging Face's names."""
 
 
 class ModelConfigBase:
@@ -70,6 +78,12 @@ class GPTConfig(ModelConfigBase):
     """Rotary base (theta)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that are rotated (the leading ones)."""
+    rotary_scaling: dict[str, Any] | None = None
+    """Rotary frequency scaling for long contexts, e.g. {type: llama3, factor: 8.0, low_freq_factor: 1.0,
+    high_freq_factor: 4.0, original_max_position_embeddings: 8192}; types linear (factor), dynamic (factor; NTK
+    by sequence length beyond max_position_embeddings), llama3 and yarn (factor, original_max_position_embeddings;
+    optional beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate), with Hugging Face's
+    parameter names. None: plain rotary."""
     normalization: str = "layernorm"
     """"layernorm" or "rmsnorm"."""
     norm_eps: float = 1e-5
@@ -139,6 +153,14 @@ class GPTConfig(ModelConfigBase):
                 f"model.rotary_percent={self.rotary_percent} gives an odd rotary dimension {self.rotary_dim} "
                 f"(head dim {self.head_dim}); choose a percent giving an even number of dimensions"
             )
+        if self.rotary_scaling is not None:
+            if self.position_embedding != "rope":
+                raise ValueError(f"model.rotary_scaling needs model.position_embedding='rope', not "
+                                 f"{self.position_embedding!r}; remove rotary_scaling or use rotary embeddings")
+            self.rotary_scaling = check_rotary_scaling(self.rotary_scaling)
+            if self.rotary_scaling["type"] == "dynamic" and self.rotary_dim <= 2:
+                raise ValueError(f"model.rotary_scaling of type 'dynamic' needs more than 2 rotary dimensions, got "
+                                 f"{self.rotary_dim}; raise model.rotary_percent or use another type")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be in [0, 1)")
@@ -174,6 +196,49 @@ class GPTConfig(ModelConfigBase):
     def has_lm_head(self) -> bool:
         """Whether the model ends in the vocabulary projection (head "lm") rather than a classification head."""
         return self.head == "lm"
+
+def check_rotary_scaling(scaling: Any) -> dict[str, Any]:
+    """``scaling`` validated and normalised: ``type`` first, numbers as floats (lengths as ints, truncate as bool).
+
+    Raises:
+        ValueError: not a mapping, an unknown type, or a parameter missing, unknown or out of range (names it).
+    """
+    key = "model.rotary_scaling"
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{key} must be a mapping such as {{type: linear, factor: 4.0}}, got {scaling!r}")
+    kind = scaling.get("type")
+    if kind not in ROTARY_SCALING_PARAMETERS:
+        raise ValueError(f"{key}.type={kind!r}; use one of {tuple(ROTARY_SCALING_PARAMETERS)}")
+    required, optional = ROTARY_SCALING_PARAMETERS[kind]
+    missing = [p for p in required if scaling.get(p) is None]
+    if missing:
+        raise ValueError(f"{key} of type {kind!r} is missing {', '.join(f'{key}.{p}' for p in missing)}")
+    unknown = sorted(set(scaling) - {"type", *required, *optional})
+    if unknown:
+        raise ValueError(f"{key}: unknown parameter(s) {unknown} for type {kind!r}; its parameters are "
+                         f"{list(required + optional)}")
+    out: dict[str, Any] = {"type": kind}
+    for name in required + optional:
+        value = scaling.get(name)
+        if value is None:
+            continue
+        if name == "truncate":
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}.truncate={value!r} must be true or false")
+        elif name == "original_max_position_embeddings":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}.{name}={value!r} must be a positive integer (the pretraining context)")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                value == 0 and name not in ("mscale", "mscale_all_dim")):
+            raise ValueError(f"{key}.{name}={value!r} must be a positive number")
+        else:
+            value = float(value)
+        out[name] = value
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"{key}.high_freq_factor={out['high_freq_factor']} must exceed "
+                         f"{key}.low_freq_factor={out['low_freq_factor']}")
+    return out
+
 
 def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     """Check that a tp/pp layout fits ``config`` (a GPTConfig, BertConfig or T5Config): the one place it is checked.

@@ -191,7 +191,9 @@ class GPTModel(PipelineStageModel):
         self.embedding = GPTEmbedding(self.ctx) if pre_process else None
         self.rotary = None
         if config.position_embedding == "rope":
-            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base, device=grid.device)
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base, device=grid.device,
+                                          scaling=config.rotary_scaling,
+                                          max_position_embeddings=config.max_position_embeddings)
         self.decoder = TransformerBlock(self.ctx, "decoder", self.layer_range, post_process, layer_spec)
         self.output_layer = self.score = None
         tied = config.tie_word_embeddings and config.has_lm_head

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ __all__ = [
     "apply_rotary",
     "gelu_tanh",
     "norm_class",
+    "rotary_frequencies",
     "tied_embedding",
     "tied_projection",
 ]
@@ -70,21 +72,122 @@ def norm_class(ctx: BuildContext) -> type[nn.Module]:
     return RMSNorm if ctx.config.normalization == "rmsnorm" else LayerNorm
 
 
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` times longer: ``0.1 * mscale * ln(factor) + 1``."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(powers: torch.Tensor, rotary_dim: int, base: float, p: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN ("NTK-by-parts" interpolation plus attention temperature, Peng et al. 2023); ``powers`` are
+    ``base ** (2i / rotary_dim)``, the inverse of plain rotary's frequencies."""
+    factor, original = p["factor"], p["original_max_position_embeddings"]
+    beta_fast, beta_slow = p.get("beta_fast") or 32.0, p.get("beta_slow") or 1.0
+
+    def dim_of(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if high == low:
+        high += 0.001
+    # Weight of the original (extrapolated) frequency: 1 for fast dimensions, 0 for slow ones, linear between.
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    scaled = 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
+    attention = p.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
+    return scaled, float(attention)
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths (beyond original / low_freq_factor) slowed by ``factor``, short ones
+    (below original / high_freq_factor) kept, and a linear blend in wavelength-count between."""
+    factor, low, high, original = (p["factor"], p["low_freq_factor"], p["high_freq_factor"],
+                                   p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, out)
+
+
+def rotary_frequencies(rotary_dim: int, base: float, scaling: dict[str, Any] | None = None,
+                       seq_len: int | None = None, max_position_embeddings: int | None = None
+                       ) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and the factor on cos/sin, computed on the CPU in fp32 (as Hugging Face does).
+
+    Args:
+        rotary_dim: rotated dimensions per head (even).
+        base: rotary base (theta).
+        scaling: a validated ``GPTConfig.rotary_scaling`` (type linear, dynamic, llama3 or yarn), or None.
+        seq_len: dynamic scaling only: the length being run (max position + 1); it rescales the base once it
+            exceeds ``max_position_embeddings`` (needed then).
+
+    Returns:
+        ``(inv_freq [rotary_dim / 2] fp32, attention_factor)``; the factor (YaRN's temperature) multiplies cos and
+        sin and is 1.0 for the other types.
+    """
+    kind = scaling["type"] if scaling else None
+    if kind == "dynamic" and seq_len is not None and max_position_embeddings and seq_len > max_position_embeddings:
+        # NTK-aware base growth: keeps the slowest dimension within the seen range at seq_len.
+        factor = scaling["factor"]
+        base = base * (factor * seq_len / max_position_embeddings - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    if kind == "yarn":
+        return _yarn(powers, rotary_dim, base, scaling)
+    inv_freq = 1.0 / powers
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    return inv_freq, 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables (half-split "rotate_half" convention, as Hugging Face Llama).
 
-    ``forward(position_ids [b, s]) -> (cos, sin)``, each ``[s, b, 1, rotary_dim]`` in fp32.
+    ``forward(position_ids [b, s]) -> (cos, sin)``, each ``[s, b, 1, rotary_dim]`` in fp32. Angles are
+    ``position * inv_freq`` in fp32 from int64 positions (exact up to 2**24), as Hugging Face computes them.
+
+    Args:
+        rotary_dim: rotated dimensions per head.
+        base: rotary base (theta).
+        device: where the tables live.
+        scaling: ``GPTConfig.rotary_scaling`` (validated), or None for plain rotary.
+        max_position_embeddings: the length beyond which dynamic scaling starts (``GPTConfig.max_position_embeddings``).
     """
 
-    def __init__(self, rotary_dim: int, base: float, device: torch.device | None = None) -> None:
+    def __init__(self, rotary_dim: int, base: float, device: torch.device | None = None,
+                 scaling: dict[str, Any] | None = None, max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (base ** exponents).to(device), persistent=False)
+        self.rotary_dim, self.base, self.scaling = rotary_dim, base, scaling
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = rotary_frequencies(rotary_dim, base, scaling)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def _inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
+        dynamic = self.scaling is not None and self.scaling["type"] == "dynamic"
+        seq_len = int(position_ids.max()) + 1 if dynamic and position_ids.numel() else None
+        if (seq_len is not None and seq_len > self.max_position_embeddings) or self.inv_freq.dtype != torch.float32:
+            # A longer run (dynamic NTK), or the buffer was cast to low precision with the model: recompute.
+            inv_freq, _ = rotary_frequencies(self.rotary_dim, self.base, self.scaling, seq_len,
+                                             self.max_position_embeddings)
+            return inv_freq.to(self.inv_freq.device)
+        return self.inv_freq
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids.t().float()[..., None] * self.inv_freq.float()  # [s, b, rot/2]
+        """position_ids [b, s] (integers) -> (cos, sin), each [s, b, 1, rotary_dim] fp32."""
+        freqs = position_ids.t().float()[..., None] * self._inv_freq(position_ids)  # [s, b, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [s, b, 1, rot]
-        return emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,21 +14,56 @@ from typing import Any
 
 import torch
 
-from mg_models.config import GPTConfig
+from mg_models.config import ROTARY_SCALING_PARAMETERS, GPTConfig, check_rotary_scaling
 from mg_models.hf.common import concat, head_from_hf, head_to_hf, output_groups, pad_vocab, unpad_vocab
 from mg_models.hf.groups import TensorGroup, mapped, rename, to_hf_state, to_mg_state
 
-__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf", "tensor_groups"]
+__all__ = ["config_from_hf", "config_to_hf", "rope_from_hf", "rope_to_hf", "state_from_hf", "state_to_hf",
+           "tensor_groups"]
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"config.json rope scaling type {rope_type!r} is not supported; only default rotary "
-                         f"embeddings are implemented")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def rope_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The mg ``rotary_base`` and ``rotary_scaling`` fields of a Hugging Face config dict, read as transformers 5.x
+    reads them: ``rope_scaling`` (the older key, which wins when both are set) or ``rope_parameters``, with
+    ``rope_type`` (or ``type``) and ``rope_theta`` (else the top-level ``rope_theta``). Parameters the scaling type
+    does not use are ignored, as Hugging Face ignores them; llama3 and yarn without
+    ``original_max_position_embeddings`` take the top-level one, else ``max_position_embeddings``.
+
+    Raises:
+        ValueError: an unsupported ``rope_type`` or invalid parameters (names the key in ``where``).
+    """
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rotary_base": theta, "rotary_scaling": None}
+    if kind not in ROTARY_SCALING_PARAMETERS:
+        raise ValueError(f"{where}: {key}.rope_type={kind!r} is not supported; mg implements 'default', "
+                         f"{', '.join(repr(k) for k in ROTARY_SCALING_PARAMETERS)}")
+    required, optional = ROTARY_SCALING_PARAMETERS[kind]
+    scaling = {"type": kind, **{k: params[k] for k in required + optional if params.get(k) is not None}}
+    if "original_max_position_embeddings" in required:
+        original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or hf.get("max_position_embeddings", 2048)
+    if kind == "yarn" and "factor" not in scaling:  # DeepSeek-style: the ratio of the two context lengths
+        scaling["factor"] = hf.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+    try:
+        scaling = check_rotary_scaling(scaling)
+    except ValueError as e:
+        raise ValueError(f"{where}: {key}: {e}") from None
+    return {"rotary_base": theta, "rotary_scaling": scaling}
+
+
+def rope_to_hf(c: GPTConfig) -> dict[str, Any]:
+    """The rotary keys of a Hugging Face config dict for ``c``: ``rope_theta``, ``rope_parameters`` (transformers
+    5.x) and, when scaled, the same dict as ``rope_scaling`` (transformers 4.x reads that one)."""
+    scaling = dict(c.rotary_scaling or {"type": "default"})
+    params = {"rope_type": scaling.pop("type"), "rope_theta": c.rotary_base, **scaling}
+    out = {"rope_theta": c.rotary_base, "rope_parameters": params}
+    if c.rotary_scaling:
+        out["rope_scaling"] = dict(params)
+    return out
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
@@ -52,7 +87,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048), position_embedding="rope",
-        rotary_base=_rope_theta(hf), rotary_percent=float(hf.get("partial_rotary_factor", 1.0)),
+        **rope_from_hf(hf), rotary_percent=float(hf.get("partial_rotary_factor", 1.0)),
         normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
         add_bias_linear=attn_bias, tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_dropout=hf.get("attention_dropout", 0.0), sliding_window=window, **head_from_hf(hf),
@@ -78,8 +113,7 @@ def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
         "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.query_groups, "head_dim": c.head_dim, "intermediate_size": c.ffn_size,
         "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.norm_eps, "rope_theta": c.rotary_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rotary_base},
+        "rms_norm_eps": c.norm_eps, **rope_to_hf(c),
         "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.attention_dropout,
         "initializer_range": c.init_method_std, "use_cache": True, "dtype": "float32",
     }
