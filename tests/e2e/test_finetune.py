@@ -245,6 +245,9 @@ def test_t5_seq2seq_from_jsonl(bert_t5_corpus, tmp_path):
     hf = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
     tok = build_tokenizer(str(bert_t5_corpus["tokenizer"]))
     pad = tok.sp.piece_to_id("<pad>")
+    from mg_ckpt import CheckpointReader
+
+    assert CheckpointReader(tmp_path / "ref-ckpt" / "iter_0000006", verify=False).extra["decoder_start_token_id"] == pad
     ds, _, _ = build_seq2seq_datasets(Seq2SeqDatasetConfig(encoder_seq_length=12, decoder_seq_length=12,
                                                            eos_id=tok.eod, pad_id=pad), [str(pairs)], tokenizer=tok)
     batch = {k: torch.from_numpy(np.stack([ds[i][k] for i in range(4)])) for k in ds[0]}

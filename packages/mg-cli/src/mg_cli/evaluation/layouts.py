@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mg_cli.evaluation.runner import ModelRunner, load_model
+from mg_cli.evaluation.runner import ModelRunner, decoder_start_token_id, load_model
 
 __all__ = ["PipelineRunner", "build_runner"]
 
@@ -38,7 +38,7 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
         from mg_parallel.device import local_device
 
         model, extra = load_model(checkpoint, dtype=dtype, device=local_device())
-        return (ModelRunner(model, max_length=max_length), extra,
+        return (ModelRunner(model, max_length=max_length, decoder_start_token_id=decoder_start_token_id(checkpoint, extra)), extra,
                 {"rank": 0, "tp": 1, "pp": 1, "dp": 1, "processes": 1})
     if env.world_size % (tp * pp):
         raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide {env.world_size} processes")
@@ -70,7 +70,8 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
         copy_from_unsharded([model], grid, state)
     info = {"rank": grid.rank, "tp": tp, "pp": pp, "dp": grid.dp_size, "processes": grid.world_size}
     cls = PipelineRunner if pp > 1 else ModelRunner
-    runner = cls(model, max_length=max_length, dp_group=grid.dp_group if grid.dp_size > 1 else None)
+    runner = cls(model, max_length=max_length, dp_group=grid.dp_group if grid.dp_size > 1 else None,
+                 decoder_start_token_id=decoder_start_token_id(checkpoint, extra))
     runner.grid = grid
     return runner, extra, info
 
@@ -139,8 +140,7 @@ class PipelineRunner(ModelRunner):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, stop_token_ids: Sequence[int] = (), decoder_start_token_id: int = 0
-                 ) -> list[list[int]]:
+                 seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
         from mg_models import SamplingConfig
         from mg_models.generation import sample_next
 

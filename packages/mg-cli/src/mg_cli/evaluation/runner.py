@@ -9,6 +9,7 @@ rank ends with the same list whatever dp is.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +50,19 @@ def default_tokenizer(checkpoint: str | os.PathLike[str], extra: dict[str, Any])
     return None
 
 
+def decoder_start_token_id(checkpoint: str | os.PathLike[str], extra: dict[str, Any]) -> int:
+    """The id a T5 checkpoint's decoder starts from: what mg training recorded (the data's pad id), else a
+    Hugging Face ``config.json``'s ``decoder_start_token_id``, else 0 (T5's own pad id)."""
+    if extra.get("decoder_start_token_id") is not None:
+        return int(extra["decoder_start_token_id"])
+    cfg_file = Path(checkpoint) / "config.json"
+    if cfg_file.is_file():
+        start = json.loads(cfg_file.read_text()).get("decoder_start_token_id")
+        if start is not None:
+            return int(start)
+    return 0
+
+
 T5_CONTEXT = 512
 """Default encoder input length of T5 models (the T5 paper's input length)."""
 
@@ -61,10 +75,13 @@ class ModelRunner:
         max_length: context length (tokens); default the config's ``max_position_embeddings`` (T5, whose
             relative positions have no such limit: :data:`T5_CONTEXT`).
         dp_group: the data-parallel process group (None: one replica, no collectives).
+        decoder_start_token_id: T5's first decoder input (:func:`decoder_start_token_id`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None,
+                 decoder_start_token_id: int = 0) -> None:
         self.model = model.eval()
+        self.decoder_start_token_id = decoder_start_token_id
         self.config = model.config
         self.max_length = int(max_length or (T5_CONTEXT if self.family == "t5" else self.config.max_position_embeddings))
         self.dp_group = dp_group
@@ -97,15 +114,15 @@ class ModelRunner:
         return self.model(ids, attention_mask=attention_mask)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, stop_token_ids: Sequence[int] = (), decoder_start_token_id: int = 0
-                 ) -> list[list[int]]:
-        """Generated ids of each prompt (GPT continues it; T5 decodes a target for it), with a KV cache."""
+                 seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Generated ids of each prompt (GPT continues it; T5 decodes a target for it, from the decoder start
+        id), with a KV cache."""
         from mg_models import SamplingConfig, generate, generate_seq2seq
 
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                   stop_token_ids=tuple(stop_token_ids))
         if self.family == "t5":
-            return generate_seq2seq(self.model, prompts, sampling, decoder_start_token_id=decoder_start_token_id).tokens
+            return generate_seq2seq(self.model, prompts, sampling, decoder_start_token_id=self.decoder_start_token_id).tokens
         if self.family == "bert":
             raise ValueError("generation tasks need a GPT or T5 model; BERT is encoder-only")
         return generate(self.model, prompts, sampling).tokens
