@@ -1,13 +1,19 @@
 """The process grid: parallel dimensions, rank coordinates and process groups.
 
 Ranks are laid out with tensor parallelism varying fastest, then context parallelism, then data
-parallelism, then pipeline parallelism (Megatron's default ``tp-cp-ep-dp-pp`` order, without
-experts)::
+parallelism, then pipeline parallelism (Megatron's default ``tp-cp-ep-dp-pp`` order)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 i.e. ``torch.arange(world_size).view(pp, dp, cp, tp)``. Tensor-parallel peers are therefore
 adjacent ranks (on one node when tp <= GPUs per node), which is where the bandwidth is needed.
+
+**Experts.** The expert-parallel (ep) group is carved out of the dp x cp ranks of one tp rank
+and pipeline stage: experts replace replication. Numbering those ranks ``j = cp_rank + cp *
+dp_rank``, a rank's ``ep_rank`` is ``j % ep`` and its expert-data-parallel index is ``j // ep``,
+so ep peers are the nearest ranks after tp (``view(pp, dp*cp // ep, ep, tp)``). Ranks with the same
+ep rank hold the same experts and form the expert-data-parallel group (``dp*cp/ep`` ranks): expert
+gradients are averaged, and expert optimizer state would be sharded, over it.
 
 ``build_grid(ParallelDims(...))`` creates every process group once, on every rank in the same
 order, and returns a :class:`ProcessGrid` that layers, wrappers and schedules receive explicitly.
@@ -47,9 +53,13 @@ class ParallelDims:
     """Virtual pipeline stages (model chunks) per pipeline rank; > 1 selects the interleaved schedule."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between tensor-parallel regions (needs tp > 1)."""
+    ep: int = 1
+    """Expert-parallel size: the experts of an MoE layer are split over this many of the dp x cp ranks."""
+    etp: int = 1
+    """Expert tensor-parallel size: 1 (each expert whole on its rank) or tp (its FFN split over the tp group)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "vpp"):
+        for name in ("tp", "pp", "cp", "vpp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -59,6 +69,11 @@ class ParallelDims:
             raise ValueError("parallel.vpp > 1 needs parallel.pp > 1; set vpp: 1 or raise pp")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
+        if self.etp not in (1, self.tp):
+            raise ValueError(
+                f"parallel.etp={self.etp} must be 1 or equal parallel.tp={self.tp}; "
+                f"set etp: 1 (whole experts) or etp: {self.tp}"
+            )
         if self.world_size is not None:
             self.resolve(self.world_size)
 
@@ -87,9 +102,37 @@ class ParallelDims:
                 f"parallel.dp={self.dp} but world size {world_size} / (tp*pp*cp={mp}) = {dp}; "
                 f"leave dp unset to derive it, or launch {self.dp * mp} processes"
             )
+        if (dp * self.cp) % self.ep != 0:
+            raise ValueError(
+                f"parallel.ep={self.ep} does not divide dp*cp = {dp}*{self.cp} = {dp * self.cp} (the ranks the experts "
+                f"are spread over); choose an ep that divides {dp * self.cp}, or launch more data-parallel ranks"
+            )
         self.dp = dp
         self.world_size = world_size
         return self
+
+    @property
+    def expert_dp(self) -> int:
+        """dp*cp/ep: ranks holding the same experts (the expert-data-parallel size)."""
+        assert self.dp is not None, "call resolve(world_size) first"
+        return self.dp * self.cp // self.ep
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """The expert-parallel rank and expert-data-parallel index of a global rank."""
+        c = self.coords(rank)
+        j = c["cp"] + self.cp * c["dp"]
+        return {"ep": j % self.ep, "expert_dp": j // self.ep}
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(ep_groups, expert_dp_groups)``: all rank lists of each kind, in rank order."""
+        assert self.dp is not None, "call resolve(world_size) first"
+        ep_groups, edp_groups = [], []
+        for pp, tp in itertools.product(range(self.pp), range(self.tp)):
+            # dp x cp ranks of this (tp, pp), numbered j = cp + cp * dp.
+            ranks = [self.rank_of(tp=tp, pp=pp, cp=j % self.cp, dp=j // self.cp) for j in range(self.dp * self.cp)]
+            ep_groups += [ranks[i : i + self.ep] for i in range(0, len(ranks), self.ep)]
+            edp_groups += [ranks[i :: self.ep] for i in range(self.ep)]
+        return sorted(ep_groups), sorted(edp_groups)
 
     def check_divides(self, dim: str, value: int, what: str) -> None:
         """Raise ``ValueError`` unless the size of ``dim`` divides ``value`` (``what`` names it).
@@ -158,6 +201,13 @@ class ProcessGrid:
     """Global ranks of this rank's pipeline, stage 0 first."""
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
+    ep_rank: int = 0
+    """This rank's place in its expert-parallel group (which experts it holds)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ep ranks, carved out of dp x cp, over which an MoE layer's experts are split."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """The dp*cp/ep ranks holding the same experts: expert gradients are averaged over it."""
+    ep_ranks: list[int] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
@@ -166,7 +216,7 @@ class ProcessGrid:
         dims = ParallelDims(tp=1, pp=1, cp=1, dp=1, world_size=1)
         return cls(
             dims=dims, rank=0, world_size=1, tp_rank=0, cp_rank=0, dp_rank=0, pp_rank=0,
-            pp_ranks=[0], tp_ranks=[0], dp_ranks=[0], device=device or local_device(),
+            pp_ranks=[0], tp_ranks=[0], dp_ranks=[0], ep_ranks=[0], device=device or local_device(),
         )
 
     @property
@@ -185,6 +235,14 @@ class ProcessGrid:
     def dp_size(self) -> int:
         assert self.dims.dp is not None
         return self.dims.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def etp_size(self) -> int:
+        return self.dims.etp
 
     @property
     def is_first_stage(self) -> bool:
@@ -265,6 +323,13 @@ def build_grid(dims: ParallelDims, device: torch.device | None = None) -> Proces
     mp = sorted({tuple(sorted(dims.rank_of(tp=t, pp=p, dp=d, cp=cc) for t in range(dims.tp) for p in range(dims.pp)
                               for cc in range(dims.cp))) for d in range(dims.dp)})
     grid.model_parallel_group, _ = make([list(r) for r in mp])
+    ep_lists, edp_lists = dims.expert_groups()
+    grid.ep_rank = dims.expert_coords(rank)["ep"]
+    if dims.ep > 1:
+        grid.ep_group, grid.ep_ranks = make(ep_lists)
+        grid.expert_dp_group, _ = make(edp_lists)
+    else:  # ep == 1: no new groups, experts are replicated over dp x cp like every other weight
+        grid.ep_ranks, grid.expert_dp_group = [rank], grid.dp_cp_group
     if dims.pp > 1:
         grid.embedding_group, _ = make([[ranks[0], ranks[-1]] for ranks in dims.groups_along("pp")])
     return grid

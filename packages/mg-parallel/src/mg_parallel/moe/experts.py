@@ -1,0 +1,185 @@
+"""The local experts of an MoE layer, computed together, and where each lives globally.
+
+Weights are stored ``[E_local, in, out]`` (tokens multiply from the left, ``x @ w``), one tensor
+per projection for all local experts:
+
+* SwiGLU: ``w1 [E_local, h, 2, f/etp]`` (gate ``[..., 0, :]`` and up ``[..., 1, :]``) and
+  ``w2 [E_local, f/etp, h]``: ``y = (silu(x w_gate) * (x w_up)) w2``;
+* GELU: ``w1 [E_local, h, f/etp]``, ``w2 [E_local, f/etp, h]``: ``y = gelu(x w1) w2``.
+
+Local expert ``i`` of ep rank ``r`` is global expert ``r * E_local + i``, so the global tensor of a
+projection is ``[num_experts, ...]`` and this rank's block starts at ``r * E_local`` along dim 0
+(and, with expert tensor parallelism, at ``tp_rank * f/etp`` along the ``f`` dimension).
+:func:`expert_shard_info` returns that global shape and offset (what a checkpoint of global tensors
+needs); every expert parameter carries the tags it reads (``expert_parallel``, ``num_experts``,
+``ep_rank``, and the tensor-parallel tags of ``tensor_parallel.utils``).
+
+**Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (used when
+this torch build runs it forward and backward for the weights' dtype, device and sizes, checked
+once with a tiny probe); ``loop`` runs one matmul per expert that received tokens. An expert that
+receives no token gets a zero gradient on either path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mg_parallel.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from mg_parallel.tensor_parallel.utils import group_rank, group_size
+
+__all__ = ["GroupedExperts", "expert_shard_info", "grouped_mm_supported", "is_expert_param"]
+
+_PROBED: dict[tuple, bool] = {}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (``_grouped_mm`` rejects broadcast grads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm_supported(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here for ``[M, in] x [E, in, out]``."""
+    key = (in_features, out_features, dtype, torch.device(device).type)
+    if key not in _PROBED:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.zeros(2, in_features, dtype=dtype, device=device, requires_grad=True)
+                b = torch.zeros(2, in_features, out_features, dtype=dtype, device=device, requires_grad=True)
+                offs = torch.tensor([1, 2], dtype=torch.int32, device=device)
+                torch._grouped_mm(a, b, offs=offs).backward(torch.ones(2, out_features, dtype=dtype, device=device))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _PROBED[key] = ok
+    return _PROBED[key]
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for the weights of :class:`GroupedExperts` (split over the ep group, not replicated over dp)."""
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def expert_shard_info(param: torch.Tensor, *, tp_size: int = 1, tp_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global shape of an expert parameter and the offset of this rank's block in it.
+
+    Dim 0 (experts) is scaled to ``param.num_experts`` at offset ``param.ep_rank * E_local``; a
+    parameter tagged ``tensor_parallel`` is also scaled by ``tp_size`` along ``param.partition_dim``.
+
+    Raises:
+        ValueError: ``param`` is not an expert parameter (see :func:`is_expert_param`).
+    """
+    if not is_expert_param(param):
+        raise ValueError(f"a parameter of shape {list(param.shape)} is not an expert parameter (no expert_parallel tag)")
+    shape, offset = list(param.shape), [0] * param.dim()
+    offset[0], shape[0] = param.ep_rank * shape[0], param.num_experts
+    if getattr(param, "tensor_parallel", False) and tp_size > 1:
+        d = param.partition_dim
+        offset[d], shape[d] = shape[d] * tp_rank, shape[d] * tp_size
+    return tuple(shape), tuple(offset)
+
+
+class GroupedExperts(nn.Module):
+    """``E_local`` expert MLPs computed on rows already grouped by expert.
+
+    Args:
+        num_experts: global expert count ``N``; ``ep_size`` must divide it.
+        hidden_size, ffn_hidden_size: ``h`` and each expert's full ``f``.
+        activation: ``"swiglu"`` or ``"gelu"``.
+        ep_size, ep_rank: the expert-parallel layout (this rank holds experts
+            ``[ep_rank * N/ep, (ep_rank + 1) * N/ep)``).
+        tp_group: the expert tensor-parallel group (None: whole experts); each expert's ``f`` is split
+            over it and the outputs summed, so the input rows must be the same on every rank of it.
+        sequence_parallel: the rows are one tp rank's share of the tokens and the weights are the same on
+            every tp rank (tags them ``sequence_parallel``: their gradients are partial sums over tp).
+        grouped: force the ``grouped_mm`` (True) or ``loop`` (False) path; None chooses.
+        init_method: fills each full ``[N, ...]`` weight (default ``normal(0, 0.02)``) before the slice is kept.
+
+    Raises:
+        ValueError: ``ep_size`` does not divide ``num_experts`` (names model.num_experts and parallel.ep),
+            or the tp size does not divide ``f``; ``grouped=True`` where ``_grouped_mm`` does not run.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
+        ep_size: int = 1, ep_rank: int = 0, tp_group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
+        grouped: bool | None = None, init_method: Callable[[torch.Tensor], None] | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_experts % ep_size != 0:
+            raise ValueError(
+                f"model.num_experts={num_experts} is not divisible by parallel.ep={ep_size}; "
+                f"choose an ep that divides {num_experts}"
+            )
+        tp, tp_rank = group_size(tp_group), group_rank(tp_group)
+        if ffn_hidden_size % tp != 0:
+            raise ValueError(
+                f"the expert FFN size {ffn_hidden_size} is not divisible by parallel.etp={tp}; change either"
+            )
+        self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
+        self.activation, self.tp_group = activation, tp_group
+        e, f = self.num_local_experts, ffn_hidden_size // tp
+        gated = activation == "swiglu"
+        init = init_method or (lambda w: nn.init.normal_(w, std=0.02))
+        full_shapes = {"w1": (num_experts, hidden_size, *((2,) if gated else ()), ffn_hidden_size),
+                       "w2": (num_experts, ffn_hidden_size, hidden_size)}
+        for name, shape in full_shapes.items():
+            f_dim = len(shape) - 1 if name == "w1" else 1
+            if torch.device(device or "cpu").type == "meta":
+                local = torch.empty(e, *shape[1:f_dim], f, *shape[f_dim + 1 :], dtype=dtype, device="meta")
+            else:
+                full = torch.empty(shape, dtype=torch.float32)
+                init(full)
+                local = full.narrow(0, ep_rank * e, e).narrow(f_dim, tp_rank * f, f).to(dtype=dtype, device=device)
+            p = nn.Parameter(local.contiguous())
+            p.expert_parallel, p.num_experts, p.ep_rank = True, num_experts, ep_rank
+            p.tensor_parallel = tp > 1
+            if tp > 1:
+                p.partition_dim = f_dim
+            if sequence_parallel:
+                p.sequence_parallel = True
+            self.register_parameter(name, p)
+        in1, out1 = hidden_size, (2 if gated else 1) * f
+        supported = grouped_mm_supported(in1, out1, self.w1.dtype, self.w1.device) and grouped_mm_supported(
+            f, hidden_size, self.w1.dtype, self.w1.device)
+        if grouped and not supported:
+            raise ValueError("moe_grouped_gemm=True but torch._grouped_mm does not run for these weights here; "
+                             "set it to null (auto) or false")
+        self.path = "grouped_mm" if (supported if grouped is None else grouped) else "loop"
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
+        if self.path == "grouped_mm":
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+        # Every expert multiplies, even with 0 rows, so each weight gets a (zero) gradient.
+        return torch.cat([xe @ w[i] for i, xe in enumerate(torch.split(x, splits))])
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x [M, h]`` grouped by local expert with ``tokens_per_expert [E_local]`` rows each -> ``[M, h]``."""
+        x = copy_to_tp_region(x, self.tp_group)
+        splits = None if self.path == "grouped_mm" else tokens_per_expert.tolist()
+        w1 = self.w1.flatten(2)  # [E, h, 2f] for SwiGLU: gate columns then up columns
+        h = self._mm(x, w1, tokens_per_expert, splits)
+        if self.activation == "swiglu":
+            gate, up = h.unflatten(-1, (2, -1)).unbind(-2)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        y = self._mm(h, self.w2, tokens_per_expert, splits)
+        return reduce_from_tp_region(y, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, local={self.num_local_experts}, activation={self.activation}, "
+                f"path={self.path}")
