@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mg_cli.evaluation.evaluate import Evaluator
 from mg_cli.evaluation.lm import LMScorer
@@ -88,6 +89,30 @@ def test_choice_acc_and_acc_norm(model_pair, tmp_path):
     # the log-likelihoods themselves, within 1e-5
     ours = scorer.loglikelihood([(rows[0]["context"], " red")])[0].total
     assert ours == pytest.approx(_hf_continuation(hf, list(rows[0]["context"].encode()), list(b" red"))[0], abs=1e-4)
+
+
+def test_gathered_position_scores_equal_full_logits(model_pair):
+    """The scorer projects only the scored positions onto the vocabulary; its scores equal log_softmax of the
+    model's full [b, s, V] logits, with targets of different lengths and padded rows in one batch."""
+    _, scorer, _ = model_pair
+    model = scorer.runner.model
+    requests = [(list(b"a context of some length"), list(b"ength")), (list(b"short"), list(b"t")),
+                (list(b"x" * CTX), list(b"x" * 30)), (list(b"mid-size input"), list(b"ut")), ([256], [256])]
+    got = scorer.score(requests)
+    for (inp, tgt), ours in zip(requests, got):
+        with torch.no_grad():
+            full = F.log_softmax(model(torch.tensor([inp]), gather_logits=True)[0].float(), dim=-1)  # [s, V]
+        rows = full[len(inp) - len(tgt):]
+        want = rows.gather(-1, torch.tensor(tgt)[:, None]).squeeze(-1)
+        assert ours.logprobs == pytest.approx(want.tolist(), abs=1e-6)
+        assert ours.greedy == bool((rows.argmax(-1) == torch.tensor(tgt)).all())
+    ids = torch.tensor([list(b"abcdefgh"), list(b"hgfedcba")])
+    positions = torch.tensor([[7, 0, 3], [2, 2, 5]])
+    with torch.no_grad():
+        full, picked = model(ids, gather_logits=True), model(ids, gather_logits=True, output_positions=positions)
+    assert torch.allclose(picked, full[torch.arange(2)[:, None], positions], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="output_positions"):
+        model(ids, output_positions=torch.tensor([[8], [0]]))
 
 
 @pytest.mark.parametrize("stride", [CTX, 20])

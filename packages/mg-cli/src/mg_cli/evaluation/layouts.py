@@ -123,10 +123,10 @@ class PipelineRunner(ModelRunner):
         return out
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
-            return super().logits(ids)  # raises the one-process error
-        return self._pipelined(ids, (*ids.shape, self.config.vocab_size), gather_logits=True)
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_lm()
+        shape = (*(ids if positions is None else positions).shape, self.config.vocab_size)
+        return self._pipelined(ids, shape, gather_logits=True, output_positions=positions)
 
     @torch.no_grad()
     def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -151,7 +151,8 @@ class PipelineRunner(ModelRunner):
             seq, new = list(prompt), []
             for _ in range(max_new_tokens):
                 ids = torch.as_tensor([seq], dtype=torch.long, device=self.device)
-                token = int(sample_next(self.logits(ids)[:, -1], config, generator)[0])
+                last = torch.tensor([[len(seq) - 1]], device=self.device)
+                token = int(sample_next(self.logits(ids, last)[:, -1], config, generator)[0])
                 seq.append(token)
                 new.append(token)
                 if token in stop_token_ids:

@@ -138,19 +138,20 @@ class LMScorer:
         out: list[TokenScores | None] = [None] * len(requests)
         device = self.runner.device
         for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
-            width = len(requests[batch[0]][0])
-            ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # right padding: causal
-            for row, i in enumerate(batch):                                       # attention ignores it
-                inp = requests[i][0]
-                ids[row, : len(inp)] = torch.as_tensor(list(inp), dtype=torch.long, device=device)
-            logits = self.runner.logits(ids)  # [b, s, V]
-            for row, i in enumerate(batch):
-                inp, tgt = requests[i]
-                tail = logits[row, len(inp) - len(tgt): len(inp)].float().log_softmax(-1)  # [t, V]
-                target = torch.as_tensor(list(tgt), dtype=torch.long, device=tail.device)
-                lp = tail.gather(-1, target[:, None]).squeeze(-1)
-                out[i] = TokenScores(lp.tolist(), bool((tail.argmax(-1) == target).all()))
+            batch = [requests[i] for i in order[start:start + self.batch_size]]
+            width, k = len(batch[0][0]), max(len(tgt) for _, tgt in batch)
+            # Right padding (causal attention ignores it). Row r's targets are predicted at its last len(tgt)
+            # input positions; shorter target lists repeat their last position and target (dropped below).
+            ids = [[*inp, *[0] * (width - len(inp))] for inp, _ in batch]
+            positions = [[*range(len(inp) - len(tgt), len(inp)), *[len(inp) - 1] * (k - len(tgt))] for inp, tgt in batch]
+            targets = [[*tgt, *[tgt[-1]] * (k - len(tgt))] for _, tgt in batch]
+            ids_t, pos_t, tgt_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (ids, positions, targets))
+            logprobs = self.runner.logits(ids_t, pos_t).float().log_softmax(-1)  # [b, k, V]
+            picked = logprobs.gather(-1, tgt_t[..., None]).squeeze(-1).tolist()   # [b, k]
+            hits = (logprobs.argmax(-1) == tgt_t).tolist()
+            for row, i in enumerate(order[start:start + self.batch_size]):
+                t = len(batch[row][1])
+                out[i] = TokenScores(picked[row][:t], all(hits[row][:t]))
             self.progress(len(batch))
         return out  # type: ignore[return-value]
 

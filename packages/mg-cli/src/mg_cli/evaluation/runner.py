@@ -95,12 +95,21 @@ class ModelRunner:
         return "t5" if isinstance(self.config, T5Config) else "bert" if isinstance(self.config, BertConfig) else "gpt"
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[b, s, vocab_size]`` of a causal LM for right-padded ``ids [b, s]``."""
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits ``[b, s, vocab_size]`` of a causal LM for right-padded ``ids [b, s]``; with
+        ``positions [b, k]`` only those positions' logits, ``[b, k, vocab_size]`` (the rest are never projected
+        onto the vocabulary).
+
+        Raises:
+            ValueError: the model is not a GPT-family language model.
+        """
+        self._check_lm()
+        return self.model(ids, gather_logits=True, output_positions=positions)
+
+    def _check_lm(self) -> None:
         if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
             raise ValueError(f"log-likelihood tasks need a GPT-family language model, not a {self.family} "
                              f"model with head {getattr(self.config, 'head', 'lm')!r}")
-        return self.model(ids, gather_logits=True)
 
     @torch.no_grad()
     def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None
