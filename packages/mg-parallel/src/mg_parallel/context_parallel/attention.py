@@ -1,0 +1,140 @@
+"""The entry point of context-parallel attention and its configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mg_parallel.context_parallel.blocks import default_scale
+from mg_parallel.context_parallel.chunking import cp_position_ids
+from mg_parallel.context_parallel.comm import all_gather_seq, gather_seq, heads_to_seq, seq_to_heads
+from mg_parallel.context_parallel.masks import attention_mask
+from mg_parallel.context_parallel.ring import ring_attention
+
+__all__ = ["CP_COMM_KINDS", "ContextParallelConfig", "check_cp_comm", "context_parallel_attention"]
+
+CP_COMM_KINDS = ("p2p", "allgather", "a2a")
+"""The context-parallel communication kinds (``parallel.cp_comm``)."""
+
+
+def check_cp_comm(comm: str) -> str:
+    """Return ``comm`` if it is a known kind.
+
+    Raises:
+        ValueError: naming ``parallel.cp_comm`` and the valid kinds.
+    """
+    if comm not in CP_COMM_KINDS:
+        raise ValueError(f"parallel.cp_comm={comm!r} is not a context-parallel communication kind; "
+                         f"choose one of {', '.join(CP_COMM_KINDS)}")
+    return comm
+
+
+@dataclass(kw_only=True)
+class ContextParallelConfig:
+    """How attention runs when the sequence is split over the context-parallel group."""
+
+    comm: str = "p2p"
+    """``"p2p"`` (ring attention), ``"allgather"`` (K/V gathered) or ``"a2a"`` (Ulysses head split)."""
+
+    def __post_init__(self) -> None:
+        check_cp_comm(self.comm)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           scale: float) -> torch.Tensor:
+    # One SDPA call over whole (gathered) sequences; the mask gets a head dim to broadcast over.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                          is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _natural_attention(q, k, v, causal, window, docs, scale):  # noqa: ANN001, ANN202
+    # q, k, v hold the whole sequence in its natural order: positions are arange(s).
+    if window is None and docs is None:
+        return _dense(q, k, v, None, causal, scale)
+    pos = torch.arange(q.shape[2], device=q.device)
+    return _dense(q, k, v, attention_mask(pos, pos, causal=causal, window=window, q_doc=docs, k_doc=docs),
+                  False, scale)
+
+
+def _allgather_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
+    cp, rank, local_len = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
+    kv = all_gather_seq(torch.stack([k, v]), group, seq_dim=3)  # [2, b, hkv, s, d] in rank order
+    k_pos = torch.cat([cp_position_ids(local_len, r, cp, q.device) for r in range(cp)])
+    q_pos = cp_position_ids(local_len, rank, cp, q.device)
+    k_doc = None if docs is None else gather_seq(docs, group, 1)
+    mask = attention_mask(q_pos, k_pos, causal=causal, window=window, q_doc=docs, k_doc=k_doc)
+    return _dense(q, kv[0], kv[1], mask, False, scale)
+
+
+def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
+    cp, local_len = dist.get_world_size(group), q.shape[2]
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(
+            f"parallel.cp_comm='a2a' splits the heads over parallel.cp={cp}, but the attention has {q.shape[1]} "
+            f"heads and {k.shape[1]} kv heads; both must be divisible by parallel.cp (or use cp_comm p2p/allgather)"
+        )
+    # The gathered sequence is in rank order; sort it into natural order so SDPA can use is_causal.
+    pos = torch.cat([cp_position_ids(local_len, r, cp, q.device) for r in range(cp)])
+    order = pos.argsort()
+    back = order.argsort()
+    qh, kh, vh = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
+    all_docs = None if docs is None else gather_seq(docs, group, 1).index_select(1, order)
+    out = _natural_attention(qh, kh, vh, causal, window, all_docs, scale)
+    return heads_to_seq(out.index_select(2, back).contiguous(), group)
+
+
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None, comm: str = "p2p",
+    causal: bool = True, window: int | None = None, document_ids: torch.Tensor | None = None,
+    scale: float | None = None, impl: str | None = None,
+) -> torch.Tensor:
+    """Softmax attention over a sequence split across the context-parallel ``group``.
+
+    Every rank passes its load-balanced part of the sequence (:func:`split_for_cp`: chunks ``r`` and
+    ``2cp-1-r`` of ``2cp``) and gets the attention output of those tokens over the whole sequence.
+
+    Args:
+        q: ``[b, hq, s/cp, d]`` queries of this rank's tokens.
+        k, v: ``[b, hkv, s/cp, d]``; ``hq`` a multiple of ``hkv`` (grouped-query attention).
+        group: the cp group (``grid.cp_group``); None or one rank is plain attention on ``s`` tokens.
+        comm: ``"p2p"`` ring attention, ``"allgather"`` K/V gathered, ``"a2a"`` Ulysses all-to-all
+            (needs ``hq`` and ``hkv`` divisible by cp).
+        causal: a query sees keys at its position and before.
+        window: sliding window (Mistral): a query sees keys at distance ``< window`` (None: no window).
+        document_ids: ``[b, s/cp]`` integer id per token of this rank's part (split like the tokens);
+            attention stays within a document (packed sequences). None: one document.
+        scale: softmax scale, default ``1 / sqrt(d)``.
+        impl: per-block kernel of ``"p2p"`` (``"flash-cpu"`` or ``"reference"``; default: chosen
+            by :func:`block_attention_impl`). Ignored by the other kinds, which call SDPA.
+
+    Returns:
+        ``[b, hq, s/cp, d]`` in ``q``'s dtype. No dropout.
+
+    Raises:
+        ValueError: unknown ``comm`` (naming ``parallel.cp_comm``), bad shapes, ``window < 1``, or
+            ``a2a`` with heads not divisible by cp (naming ``parallel.cp`` and the head counts).
+    """
+    check_cp_comm(comm)
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q [b, hq, s, d] and k, v [b, hkv, s, d], got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1 token (or None), got {window}")
+    if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"document_ids must be [b, s/cp] = {[q.shape[0], q.shape[2]]}, got "
+                         f"{list(document_ids.shape)}")
+    scale = default_scale(q.shape[-1], scale)
+    if group is None or dist.get_world_size(group) == 1:
+        return _natural_attention(q, k, v, causal, window, document_ids, scale)
+    if q.shape[2] % 2:
+        raise ValueError(f"each context-parallel rank holds two equal chunks, so s/cp must be even, got {q.shape[2]}")
+    if comm == "p2p":
+        return ring_attention(q, k, v, group=group, causal=causal, window=window, document_ids=document_ids,
+                              scale=scale, impl=impl)
+    run = _allgather_attention if comm == "allgather" else _a2a_attention
+    return run(q, k, v, group, causal, window, document_ids, scale)

@@ -1,0 +1,156 @@
+"""Attention of one block of queries against one block of keys, returning the softmax statistics.
+
+Context-parallel attention computes softmax attention piece by piece: each (query block, key block)
+pair yields a partial output ``O_i`` and the log-sum-exp ``L_i`` of its scores (fp32, per query
+row), and the pieces merge exactly as ``L = logaddexp_i L_i``, ``O = sum_i exp(L_i - L) O_i``
+(:func:`merge_into`). The backward of a block needs only the *final* ``O`` and ``L``
+(flash-attention's recurrence: ``P = exp(S - L)``, ``dS = P * (dP - rowsum(dO * O))``), so no
+per-block state is kept between forward and backward.
+
+Layout: ``q [b, hq, sq, d]``, ``k, v [b, hkv, sk, d]`` with ``hq`` a multiple of ``hkv``
+(grouped-query attention: query head ``h`` uses key head ``h // (hq / hkv)``, as
+``F.scaled_dot_product_attention(enable_gqa=True)``). A block's mask is one of
+
+* ``"full"``: every query sees every key;
+* ``"causal"``: query ``i`` sees keys ``j <= i`` (a square diagonal block);
+* ``"masked"``: an explicit boolean ``mask [b or 1, sq, sk]`` (True = attend); a query row may see
+  nothing in a block (its ``L_i`` is ``-inf`` and ``O_i`` zero).
+
+Implementations (:func:`block_attention_impl` names the one chosen):
+
+* ``"flash-cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which
+  return the log-sum-exp; used on the CPU for ``"full"`` and ``"causal"`` blocks.
+* ``"reference"``: plain torch in fp32 (scores materialised); used for ``"masked"`` blocks and on
+  devices without a kernel exposing the log-sum-exp (CUDA included: its flash kernel is not wired
+  here yet).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["block_attention_impl", "block_backward", "block_forward", "merge_into"]
+
+_NEG_INF = float("-inf")
+
+
+def block_attention_impl(device: torch.device | str, dtype: torch.dtype, kind: str = "causal") -> str:
+    """Name of the per-block attention used for ``kind`` blocks on ``device`` in ``dtype``.
+
+    ``"flash-cpu"`` or ``"reference"`` (see the module docstring); print it on a start line.
+    """
+    device = torch.device(device)
+    if kind != "masked" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "flash-cpu"
+    return "reference"
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def _reduce_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # fp32 scores [b, hkv, g, sq, sk], -inf where masked; q heads grouped by their key head.
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    s = (q.float().view(b, hkv, hq // hkv, sq, d) @ k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    if kind == "causal":
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, _NEG_INF)
+    elif kind == "masked":
+        s = s.masked_fill(~mask[:, None, None], _NEG_INF)
+    return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # Rows that see no key have lse = -inf; exp(-inf - 0) = 0 gives them zero probabilities.
+    return lse.masked_fill(lse == _NEG_INF, 0.0)
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kind: str, mask: torch.Tensor | None, scale: float,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over ``k, v`` for one block.
+
+    Returns:
+        ``(out, lse)``: ``out [b, hq, sq, d]`` fp32 and ``lse [b, hq, sq]`` fp32 (``-inf`` for rows
+        that see no key).
+    """
+    impl = impl or block_attention_impl(q.device, q.dtype, kind)
+    groups = q.shape[1] // k.shape[1]
+    if impl == "flash-cpu" and kind != "masked":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, kind == "causal", scale=scale
+        )
+        return out.float(), lse.float()
+    b, hq, sq, d = q.shape
+    s = _scores(q, k, kind, mask, scale)
+    lse = s.logsumexp(-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    out = p @ v.float().unsqueeze(2)
+    return out.view(b, hq, sq, d), lse.view(b, hq, sq)
+
+
+def block_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, *, kind: str, mask: torch.Tensor | None, scale: float, impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the final output and statistics of its query rows.
+
+    Args:
+        dout, out: ``[b, hq, sq, d]``, the gradient and the *merged* output of these query rows.
+        lse: ``[b, hq, sq]`` fp32, the *merged* log-sum-exp (finite for every row).
+        delta: ``[b, hq, sq]`` fp32, ``(dout * out).sum(-1)`` (used by the reference path).
+
+    Returns:
+        ``(dq, dk, dv)`` in fp32, shaped like ``q``, ``k``, ``v``: this block's contributions.
+    """
+    impl = impl or block_attention_impl(q.device, q.dtype, kind)
+    groups = q.shape[1] // k.shape[1]
+    if impl == "flash-cpu" and kind != "masked":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, _expand_kv(k, groups), _expand_kv(v, groups), out.to(q.dtype), lse, 0.0,
+            kind == "causal", scale=scale,
+        )
+        return dq.float(), _reduce_kv(dk.float(), groups), _reduce_kv(dv.float(), groups)
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    s = _scores(q, k, kind, mask, scale)
+    p = torch.exp(s - lse.view(b, hkv, groups, sq, 1))  # [b, hkv, g, sq, sk]
+    do = dout.float().view(b, hkv, groups, sq, d)
+    dv = (p.transpose(-1, -2) @ do).sum(2)
+    dp = do @ v.float().unsqueeze(2).transpose(-1, -2)
+    ds = p * (dp - delta.view(b, hkv, groups, sq, 1))
+    dq = (ds @ k.float().unsqueeze(2)) * scale
+    dk = (ds.transpose(-1, -2) @ q.float().view(b, hkv, groups, sq, d)).sum(2) * scale
+    return dq.view(b, hq, sq, d), dk, dv
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's ``(block_out, block_lse)`` into the running fp32 ``(out, lse)`` in place.
+
+    ``out [..., sq, d]`` starts at zeros and ``lse [..., sq]`` at ``-inf``; views may be passed to
+    update some query rows only.
+    """
+    new = torch.logaddexp(lse, block_lse)
+    safe = _finite(new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: ``scale`` if given, else ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

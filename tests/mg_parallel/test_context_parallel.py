@@ -1,0 +1,189 @@
+"""Context-parallel attention against attention on the whole sequence in one process.
+
+Each rank holds its load-balanced part of q, k, v (chunks r and 2cp-1-r); its output and its
+part of dQ/dK/dV must equal the matching slices of an explicit masked softmax computed on the
+full sequence. One ``run_distributed`` call per world size loops over every communication kind
+and mask, so the workers start once.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from mg_parallel.context_parallel import (
+    ContextParallelConfig,
+    attention_mask,
+    block_attention_impl,
+    check_cp_comm,
+    context_parallel_attention,
+    cp_position_ids,
+    gather_from_cp,
+    split_for_cp,
+    unsplit_from_cp,
+)
+from mg_parallel.grid import ParallelDims, build_grid
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+B, D = 2, 8
+WORLD = 4
+
+
+def _reference(q, k, v, causal, window, docs, scale):
+    """Masked softmax written out on the full sequence: [b, hq, s, d]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q.shape[2]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    keep = torch.ones(B, s, s, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= ((i - j) < window) if causal else ((i - j).abs() < window)
+    if docs is not None:
+        keep &= docs[:, :, None] == docs[:, None, :]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1)
+    return probs @ v
+
+
+def _documents(s: int, gen: torch.Generator) -> torch.Tensor:
+    # Random boundaries per batch row (a document may be a single token).
+    starts = torch.rand(B, s, generator=gen) < 0.15
+    starts[:, 0] = True
+    return starts.long().cumsum(1)
+
+
+def _cases():
+    for causal in (True, False):
+        for hq, hkv in ((4, 4), (8, 2)):
+            yield dict(causal=causal, hq=hq, hkv=hkv, window=None, docs=False)
+        yield dict(causal=causal, hq=4, hkv=2, window=5, docs=False)
+        yield dict(causal=causal, hq=4, hkv=4, window=None, docs=True)
+    yield dict(causal=True, hq=4, hkv=2, window=1, docs=False)
+    yield dict(causal=True, hq=4, hkv=4, window=3, docs=True)
+
+
+def _check_case(group, cp, rank, comm, case, gen, impl=None):
+    s = 8 * cp
+    hq, hkv, causal, window = case["hq"], case["hkv"], case["causal"], case["window"]
+    if comm == "a2a" and (hq % cp or hkv % cp):
+        with pytest.raises(ValueError, match=rf"parallel.cp={cp}.*{hq} heads and {hkv} kv heads"):
+            context_parallel_attention(torch.zeros(B, hq, s // cp, D), *[torch.zeros(B, hkv, s // cp, D)] * 2,
+                                       group=group, comm=comm)
+        return 0
+    q, k, v = torch.randn(B, hq, s, D, generator=gen), *torch.randn(2, B, hkv, s, D, generator=gen)
+    dout = torch.randn(B, hq, s, D, generator=gen)
+    docs = _documents(s, gen) if case["docs"] else None
+    scale = 0.3
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = _reference(*full, causal, window, docs, scale)
+    ref.backward(dout)
+
+    local = [split_for_cp(t, rank, cp, seq_dim=2).requires_grad_(True) for t in (q, k, v)]
+    local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1)
+    out = context_parallel_attention(*local, group=group, comm=comm, causal=causal, window=window,
+                                     document_ids=local_docs, scale=scale, impl=impl)
+    out.backward(split_for_cp(dout, rank, cp, seq_dim=2))
+    what = f"cp={cp} rank={rank} comm={comm} impl={impl} {case}"
+    assert_close(out, split_for_cp(ref.detach(), rank, cp, 2), **TOL, msg=lambda m: f"{what} out: {m}")
+    for name, mine, whole in zip("qkv", local, full):
+        assert_close(mine.grad, split_for_cp(whole.grad, rank, cp, 2), **TOL, msg=lambda m, n=name: f"{what} d{n}: {m}")
+    assert_close(gather_from_cp(out.detach(), group, seq_dim=2), ref.detach(), **TOL)
+    return 1
+
+
+def _check_all(cp: int) -> int:
+    grid = build_grid(ParallelDims(cp=cp))
+    group, rank = grid.cp_group, grid.cp_rank
+    gen = torch.Generator().manual_seed(3)  # same inputs on every rank
+    checked = 0
+    for comm in ("p2p", "allgather", "a2a"):
+        for case in _cases():
+            checked += _check_case(group, cp, rank, comm, case, gen)
+    for case in list(_cases())[:3]:  # the plain-torch kernel on blocks the CPU flash kernel would take
+        checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference")
+    return checked
+
+
+@pytest.mark.parametrize("cp", [4, 2])
+def test_context_parallel_attention_matches_full_sequence(cp):
+    """Four ranks for both sizes (cp=2 as two cp groups side by side), so one pool serves the file."""
+    from mg_parallel.testing import run_distributed
+
+    counts = run_distributed(_check_all, WORLD, cp)
+    a2a = sum(1 for c in _cases() if c["hq"] % cp == 0 and c["hkv"] % cp == 0)  # others check the error
+    expected = 2 * len(list(_cases())) + a2a + 3
+    assert counts == [expected] * WORLD
+
+
+def test_single_process_is_plain_attention():
+    gen = torch.Generator().manual_seed(0)
+    for case in _cases():
+        assert _check_case(None, 1, 0, "p2p", case, gen) == 1
+
+
+def test_chunking_round_trip_and_global_positions():
+    s, cp = 24, 3
+    x = torch.arange(2 * s).view(2, s)
+    parts = [split_for_cp(x, r, cp, seq_dim=1) for r in range(cp)]
+    assert parts[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert parts[1][0].tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert torch.equal(unsplit_from_cp(parts, seq_dim=1), x)
+    for r in range(cp):
+        assert torch.equal(cp_position_ids(s // cp, r, cp), parts[r][0])
+    h = torch.randn(2, 3, s, 4)
+    assert torch.equal(unsplit_from_cp([split_for_cp(h, r, cp, 2) for r in range(cp)], seq_dim=2), h)
+    with pytest.raises(ValueError, match="not divisible by 2 \\* parallel.cp = 6"):
+        split_for_cp(torch.zeros(1, 10), 0, cp)
+
+
+def test_masks_and_kernel_names():
+    pos = torch.arange(6)
+    m = attention_mask(pos, pos, causal=True, window=2)[0]
+    assert m[3].tolist() == [False, False, True, True, False, False]
+    assert attention_mask(pos, pos, causal=False, window=None) is None
+    assert block_attention_impl("cpu", torch.float32, "causal") == "flash-cpu"
+    assert block_attention_impl("cpu", torch.float32, "masked") == "reference"
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match="parallel.cp_comm='ring'.*p2p, allgather, a2a"):
+        check_cp_comm("ring")
+    with pytest.raises(ValueError, match="parallel.cp_comm"):
+        ContextParallelConfig(comm="nccl")
+    q = torch.zeros(1, 2, 4, D)
+    with pytest.raises(ValueError, match="parallel.cp_comm"):
+        context_parallel_attention(q, q, q, group=None, comm="x")
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        context_parallel_attention(q, q, q, group=None, window=0)
+
+
+def _fail_mid_ring() -> None:
+    """Rank 1 raises in the second step of the ring; the others are left waiting on it."""
+    from mg_parallel.context_parallel import ring
+
+    real, calls = ring.block_forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if dist.get_rank() == 1 and len(calls) == 2:
+            raise RuntimeError("injected failure in the second ring step")
+        return real(*args, **kwargs)
+
+    ring.block_forward = flaky
+    try:
+        grid = build_grid(ParallelDims(cp=WORLD))
+        q = torch.randn(1, 4, 8, D, requires_grad=True)
+        context_parallel_attention(q, q, q, group=grid.cp_group, comm="p2p", causal=False).sum().backward()
+        dist.barrier(group=grid.cp_group)
+    finally:
+        ring.block_forward = real
+
+
+def test_rank_failing_mid_ring_fails_the_job():
+    """Kept last: the failure restarts the pool of this world size."""
+    from mg_parallel.testing import RankFailed, RankTimeout, run_distributed
+
+    with pytest.raises((RankFailed, RankTimeout), match="rank 1"):
+        run_distributed(_fail_mid_ring, WORLD, timeout=20)
