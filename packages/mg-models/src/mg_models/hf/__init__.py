@@ -6,7 +6,7 @@ unsharded mg state dict; :func:`write_hf_directory` writes the reverse with exac
 tensor names (no separate tensor for tied weights) and a loadable ``config.json``.
 
 For conversions that must not hold the model in memory, :func:`tensor_groups` describes any
-supported model (GPT-2, Llama, Mistral, BERT, T5) as small groups of tensors converted
+supported model (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT, T5) as small groups of tensors converted
 independently (:mod:`mg_models.hf.groups`), and :func:`read_hf_config` reads a directory's
 configuration from its ``config.json`` and, where needed, a tensor or two.
 """
@@ -28,9 +28,9 @@ __all__ = ["FAMILY_OF_MODEL_TYPE", "SUPPORTED_MODEL_TYPES", "TensorGroup", "conf
            "converted_specs", "hf_tensor_ignored", "iter_converted", "model_config_from_dict", "read_hf_config",
            "read_hf_directory", "state_from_hf", "state_to_hf", "tensor_groups", "write_hf_directory"]
 
-SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama}
+SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama}
 """The GPT-family Hugging Face architectures (BERT and T5 have their own modules)."""
-FAMILY_OF_MODEL_TYPE = {"gpt2": "gpt", "llama": "gpt", "mistral": "gpt", "bert": "bert", "t5": "t5"}
+FAMILY_OF_MODEL_TYPE = {**dict.fromkeys(SUPPORTED_MODEL_TYPES, "gpt"), "bert": "bert", "t5": "t5"}
 """mg model family (``extra["model_family"]`` of mg checkpoints) of each Hugging Face ``model_type``."""
 # Non-parameter buffers some GPT-2 checkpoints carry (the causal mask); safe to drop.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -93,7 +93,7 @@ def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], conf
     ``extra_config`` for batches of several sequences).
 
     ``mg_state`` is an unsharded mg state dict (e.g. ``GPTModel(...).state_dict()`` at tp=1);
-    ``model_type`` is "gpt2", "llama" or "mistral"; ``extra_config`` adds keys such as token ids.
+    ``model_type`` is "gpt2", "llama", "mistral", "qwen2" or "qwen3"; ``extra_config`` adds keys such as token ids.
     """
     adapter = _adapter(model_type, "write_hf_directory")
     hf_config = adapter.config_to_hf(config) if model_type == "gpt2" else adapter.config_to_hf(config, model_type)

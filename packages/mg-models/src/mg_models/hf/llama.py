@@ -1,5 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` (and their ``*ForSequenceClassification``) <-> mg GPT:
-config and tensor mapping.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (and their
+``*ForSequenceClassification``) <-> mg GPT: config and tensor mapping.
 
 Hugging Face keeps separate q/k/v and gate/up projections; mg fuses q/k/v in the grouped layout
 (per key/value group: its query heads, then its key, then its value) and keeps gate and up as
@@ -66,21 +66,56 @@ def rope_to_hf(c: GPTConfig) -> dict[str, Any]:
     return out
 
 
+_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_QWEN = ("qwen2", "qwen3")
+
+
+def _biases_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """mg's bias fields: Qwen2 has q/k/v biases only; Qwen3's and Llama's ``attention_bias`` covers q/k/v/o."""
+    if model_type == "qwen2":
+        return {"add_bias_linear": False, "add_qkv_bias": True}
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if model_type == "qwen3":
+        if attn_bias:
+            raise ValueError("config.json attention_bias=True is not supported for qwen3; mg puts the output "
+                             "projection's bias together with the MLP's (model.add_bias_linear)")
+        return {"add_bias_linear": False}
+    if attn_bias != mlp_bias:
+        raise ValueError(f"config.json attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported; "
+                         f"mg puts biases on all linears or none")
+    return {"add_bias_linear": attn_bias}
+
+
+def _window_from_hf(hf: dict[str, Any], model_type: str) -> int | None:
+    """The one sliding window of every layer (Qwen's ``layer_types`` may mix sliding and full layers: refused)."""
+    if model_type not in _QWEN:
+        return hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if window is None:
+        return None
+    first = hf.get("max_window_layers", 28)  # Hugging Face's default
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(hf["num_hidden_layers"])]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
+        return window
+    raise ValueError(f"config.json: use_sliding_window with layer_types mixing sliding and full attention "
+                     f"(max_window_layers={first}) is not supported; mg applies one sliding_window to every layer")
+
+
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    """GPTConfig from a Llama/Mistral ``config.json`` dict (the classification head for ``*ForSequenceClassification``).
+    """GPTConfig from a Llama, Mistral, Qwen2 or Qwen3 ``config.json`` dict (the classification head for
+    ``*ForSequenceClassification``). Qwen2 has q/k/v biases; Qwen3 normalises q and k per head (qk_layernorm).
 
     Raises:
         ValueError: a feature mg does not implement (names the config.json key).
     """
+    model_type = hf.get("model_type", "llama")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attn_bias != mlp_bias:
-        raise ValueError(f"config.json attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported; "
-                         f"mg puts biases on all linears or none")
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else hf["hidden_size"] // heads)
     return GPTConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -89,25 +124,39 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 2048), position_embedding="rope",
         **rope_from_hf(hf), rotary_percent=float(hf.get("partial_rotary_factor", 1.0)),
         normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
-        add_bias_linear=attn_bias, tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_dropout=hf.get("attention_dropout", 0.0), sliding_window=window, **head_from_hf(hf),
+        **_biases_from_hf(hf, model_type), qk_layernorm=model_type == "qwen3",
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), attention_dropout=hf.get("attention_dropout", 0.0),
+        sliding_window=_window_from_hf(hf, model_type), **head_from_hf(hf),
     )
 
 
+def _check_exportable(c: GPTConfig, model_type: str) -> None:
+    if model_type not in _PREFIX:
+        raise ValueError(f"model_type={model_type!r} is not a Llama-like format; use one of {sorted(_PREFIX)}")
+    if c.position_embedding != "rope" or c.normalization != "rmsnorm" or c.activation != "swiglu":
+        raise ValueError(f"only rope + rmsnorm + swiglu models map onto {_PREFIX[model_type]}")
+    if c.rotary_percent != 1.0:
+        raise ValueError(f"{_PREFIX[model_type]} export needs model.rotary_percent=1")
+    if model_type == "qwen2" and (c.add_bias_linear or not c.qkv_bias or c.qk_layernorm):
+        raise ValueError("Qwen2 export needs q/k/v biases only (model.add_qkv_bias=True, model.add_bias_linear=False) "
+                         "and no qk_layernorm")
+    if model_type == "qwen3" and (c.add_bias_linear or c.qkv_bias or not c.qk_layernorm):
+        raise ValueError("Qwen3 export needs model.qk_layernorm=True and no biases")
+    if model_type in ("llama", "mistral") and (c.qk_layernorm or c.qkv_bias != c.add_bias_linear):
+        raise ValueError("Llama/Mistral export needs no qk_layernorm and uniform biases")
+    if c.sliding_window is not None and model_type == "llama":
+        raise ValueError("model.sliding_window needs model_type='mistral' (or a Qwen type) on export")
+
+
 def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
-    """A Llama (or Mistral, ``model_type="mistral"``) ``config.json`` dict for ``c`` (``*ForCausalLM``, or
+    """A Llama, Mistral, Qwen2 or Qwen3 (``model_type``) ``config.json`` dict for ``c`` (``*ForCausalLM``, or
     ``*ForSequenceClassification`` for the classification head).
 
     Raises:
         ValueError: ``c`` uses a feature the format cannot express (names the field).
     """
-    if c.position_embedding != "rope" or c.normalization != "rmsnorm" or c.activation != "swiglu":
-        raise ValueError("only rope + rmsnorm + swiglu models map onto Llama/Mistral")
-    if c.qk_layernorm or c.qkv_bias != c.add_bias_linear or c.rotary_percent != 1.0:
-        raise ValueError("Llama/Mistral export needs no qk_layernorm, uniform biases and rotary_percent=1")
-    if c.sliding_window is not None and model_type != "mistral":
-        raise ValueError("model.sliding_window needs model_type='mistral' on export")
-    prefix = "Mistral" if model_type == "mistral" else "Llama"
+    _check_exportable(c, model_type)
+    prefix = _PREFIX[model_type]
     out: dict[str, Any] = {
         **head_to_hf(c, prefix, f"{prefix}ForCausalLM"), "model_type": model_type, "hidden_act": "silu",
         "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
@@ -119,6 +168,11 @@ def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
     }
     if model_type == "mistral":
         out["sliding_window"] = c.sliding_window
+    elif model_type in _QWEN:  # one window for every layer: sliding from layer 0
+        out.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
+                   max_window_layers=0 if c.sliding_window is not None else c.num_layers)
+        if model_type == "qwen3":
+            out["attention_bias"] = False
     else:
         out["attention_bias"] = out["mlp_bias"] = c.add_bias_linear
     return out
@@ -169,15 +223,18 @@ def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
     groups += output_groups(c, "lm_head.weight")
     for i in range(c.num_layers):
         groups += [rename(h, m) for h, m in _plain_map(i, c.add_bias_linear)]
+        if c.qk_layernorm:  # Qwen3's per-head q/k RMSNorm
+            groups += [rename(f"model.layers.{i}.self_attn.{x}_norm.weight",
+                              f"decoder.layers.{i}.self_attention.{x}_layernorm.weight") for x in "qk"]
         groups += [_qkv_group(c, i, suffix) for suffix in (("weight", "bias") if c.qkv_bias else ("weight",))]
     return groups
 
 
 def state_from_hf(hf: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
-    """mg (tp=1, unsharded) state dict from a Llama/Mistral state dict. Raises KeyError naming a missing tensor."""
+    """mg (tp=1, unsharded) state dict from a Llama/Mistral/Qwen state dict. Raises KeyError naming a missing tensor."""
     return to_mg_state(tensor_groups(c), hf)
 
 
 def state_to_hf(mg: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
-    """Llama/Mistral state dict (Hugging Face names; no ``lm_head.weight`` when tied) from an mg state dict."""
+    """Llama/Mistral/Qwen state dict (Hugging Face names; no ``lm_head.weight`` when tied) from an mg state dict."""
     return to_hf_state(tensor_groups(c), mg)
