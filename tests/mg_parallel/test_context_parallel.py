@@ -64,7 +64,7 @@ def _cases():
     yield dict(causal=True, hq=4, hkv=4, window=3, docs=True)
 
 
-def _check_case(group, cp, rank, comm, case, gen, impl=None):
+def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32):
     s = 8 * cp
     hq, hkv, causal, window = case["hq"], case["hkv"], case["causal"], case["window"]
     if comm == "a2a" and (hq % cp or hkv % cp):
@@ -80,16 +80,19 @@ def _check_case(group, cp, rank, comm, case, gen, impl=None):
     ref = _reference(*full, causal, window, docs, scale)
     ref.backward(dout)
 
-    local = [split_for_cp(t, rank, cp, seq_dim=2).requires_grad_(True) for t in (q, k, v)]
+    local = [split_for_cp(t, rank, cp, seq_dim=2).to(dtype).requires_grad_(True) for t in (q, k, v)]
     local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1)
     out = context_parallel_attention(*local, group=group, comm=comm, causal=causal, window=window,
                                      document_ids=local_docs, scale=scale, impl=impl)
-    out.backward(split_for_cp(dout, rank, cp, seq_dim=2))
-    what = f"cp={cp} rank={rank} comm={comm} impl={impl} {case}"
-    assert_close(out, split_for_cp(ref.detach(), rank, cp, 2), **TOL, msg=lambda m: f"{what} out: {m}")
+    out.backward(split_for_cp(dout, rank, cp, seq_dim=2).to(dtype))
+    what = f"cp={cp} rank={rank} comm={comm} impl={impl} {dtype} {case}"
+    tol = TOL if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in local)
+    assert_close(out.float(), split_for_cp(ref.detach(), rank, cp, 2), **tol, msg=lambda m: f"{what} out: {m}")
     for name, mine, whole in zip("qkv", local, full):
-        assert_close(mine.grad, split_for_cp(whole.grad, rank, cp, 2), **TOL, msg=lambda m, n=name: f"{what} d{n}: {m}")
-    assert_close(gather_from_cp(out.detach(), group, seq_dim=2), ref.detach(), **TOL)
+        assert_close(mine.grad.float(), split_for_cp(whole.grad, rank, cp, 2), **tol,
+                     msg=lambda m, n=name: f"{what} d{n}: {m}")
+    assert_close(gather_from_cp(out.detach().float(), group, seq_dim=2), ref.detach(), **tol)
     return 1
 
 
@@ -103,6 +106,9 @@ def _check_all(cp: int) -> int:
             checked += _check_case(group, cp, rank, comm, case, gen)
     for case in list(_cases())[:3]:  # the plain-torch kernel on blocks the CPU flash kernel would take
         checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference")
+    for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
+        checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
+                               dtype=torch.bfloat16)
     return checked
 
 
@@ -113,7 +119,7 @@ def test_context_parallel_attention_matches_full_sequence(cp):
 
     counts = run_distributed(_check_all, WORLD, cp)
     a2a = sum(1 for c in _cases() if c["hq"] % cp == 0 and c["hkv"] % cp == 0)  # others check the error
-    expected = 2 * len(list(_cases())) + a2a + 3
+    expected = 2 * len(list(_cases())) + a2a + 3 + 3
     assert counts == [expected] * WORLD
 
 
@@ -145,6 +151,22 @@ def test_masks_and_kernel_names():
     assert attention_mask(pos, pos, causal=False, window=None) is None
     assert block_attention_impl("cpu", torch.float32, "causal") == "flash-cpu"
     assert block_attention_impl("cpu", torch.float32, "masked") == "reference"
+
+
+def test_ring_steps_are_balanced_and_windows_skip_blocks():
+    """Causal ring: every step after the first costs every rank 2c^2 scores; a window drops pairs."""
+    from mg_parallel.context_parallel.ring import _step_blocks
+
+    cp, c = 4, 4
+    for rank in range(cp):
+        for i in range(cp):
+            blocks = _step_blocks(rank, (rank - i) % cp, cp, 2 * c, causal=True, window=None)
+            area = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _, _ in blocks)
+            assert area == (4 if i == 0 else 2) * c * c, (rank, i, blocks)
+            assert [kind for _, _, kind, _ in blocks] == ["causal" if i == 0 else "full"]
+    # Window 2 on chunks of 4: each rank keeps its two diagonal pairs and the neighbouring chunk only.
+    kept = [len(_step_blocks(0, src, cp, 2 * c, causal=True, window=2)) for src in range(cp)]
+    assert kept == [2, 1, 0, 0], kept  # rank 0 holds chunks 0 and 7; chunk 7 also sees chunk 6, on rank 1
 
 
 def test_bad_options_name_the_field():
