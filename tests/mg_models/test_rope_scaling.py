@@ -234,3 +234,13 @@ def test_cos_sin_at_131072_positions_against_float64(scaling):
     bound = exact * (4e-7 + 2.0 ** -24) + 3e-7
     assert ((cos[:, : dim // 2] - exact.cos()).abs() <= bound).all()
     assert ((sin[:, : dim // 2] - exact.sin()).abs() <= bound).all()
+
+
+def test_tables_stay_fp32_when_the_model_is_cast():
+    rope = RotaryEmbedding(8, 500000.0, scaling=LLAMA31, max_position_embeddings=131072)
+    positions = torch.arange(131064, 131072)[None]
+    cos, sin = rope(positions)
+    rope.to(torch.bfloat16)
+    assert rope.inv_freq.dtype == torch.bfloat16
+    again = rope(positions)
+    assert rope.inv_freq.dtype == torch.float32 and torch.equal(again[0], cos) and torch.equal(again[1], sin)

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from mg_data import classification, seq2seq
-from mg_data.finetune import encode_texts
+from mg_data import classification
+from mg_data._partition import MAX_EXAMPLES, STATE, mark_done, marker_path, part_prefix, record_bad
 from mg_data.indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, optimal_dtype
 from mg_data.jsonl import (
     BadLineError,
@@ -46,23 +46,17 @@ from mg_data.jsonl import (
     parse_line,
     stream_chunks,
 )
+from mg_data.preprocess_formats import EXAMPLE_FIELDS, process_examples, process_sft
 from mg_data.sentences import get_splitter
 from mg_data.sft import (
     ON_LONG,
     BadConversationError,
-    ChatTemplateError,
-    fit_length,
     load_chat_template,
-    parse_conversation,
-    tokenize_rendered,
-    too_long_reason,
 )
 from mg_data.tokenizers import Tokenizer, TokenizerSpec
 
 _FORMAT_VERSION = 1
-_MAX_EXAMPLES = 10
 _BATCH_CHARS = 1 << 22  # tokenize ~4M characters at a time so token lists stay small
-_SFT_BATCH = 1024  # conversations tokenised per call
 
 
 @dataclass(kw_only=True)
@@ -147,10 +141,10 @@ class PreprocessConfig:
                                  "(the chat template ends every turn)")
             if list(self.json_keys) != ["text"]:
                 raise ValueError("json_keys do not apply to format=sft (lines hold messages or prompt/completion)")
-        if self.format in _EXAMPLE_FIELDS:
+        if self.format in EXAMPLE_FIELDS:
             if self.split_sentences or self.append_eod or list(self.json_keys) != ["text"]:
                 raise ValueError(f"split_sentences, append_eod and json_keys do not apply to format={self.format} "
-                                 f"(lines hold {', '.join(_EXAMPLE_FIELDS[self.format])})")
+                                 f"(lines hold {', '.join(EXAMPLE_FIELDS[self.format])})")
             if self.seq_length is not None or self.on_long != "error":
                 raise ValueError(f"seq_length and on_long do not apply to format={self.format}: examples are stored "
                                  "whole and the dataset config cuts them to its sequence lengths")
@@ -167,7 +161,7 @@ class PreprocessConfig:
     def output_prefixes(self) -> dict[str, str]:
         """Output prefix of each JSON key (SFT: of ``text`` and ``loss_mask``; classification: ``text``,
         ``text_pair`` and ``label``; seq2seq: ``input`` and ``target``)."""
-        keys = {**_EXAMPLE_FIELDS, "sft": ("text", "loss_mask"),
+        keys = {**EXAMPLE_FIELDS, "sft": ("text", "loss_mask"),
                 "classification": classification.FIELDS + (classification.LABEL_FIELD,)}.get(self.format, self.json_keys)
         return {k: f"{self.output_prefix}_{k}_{self.level}" for k in keys}
 
@@ -182,7 +176,6 @@ class PreprocessConfig:
 
 
 FORMATS = ("text", "sft", "classification", "seq2seq")
-_EXAMPLE_FIELDS = {"classification": classification.FIELDS, "seq2seq": seq2seq.FIELDS}
 
 
 @dataclass
@@ -250,10 +243,6 @@ class _Task:
     line_base: int | None = None
 
 
-# Per-process state of a worker: the tokenizer and the job settings.
-_STATE: dict[str, Any] = {}
-
-
 def _load_tokenizer(config: PreprocessConfig) -> Tokenizer:
     tok = config.tokenizer_spec().build()
     if config.append_eod and tok.eod is None:
@@ -263,18 +252,10 @@ def _load_tokenizer(config: PreprocessConfig) -> Tokenizer:
 
 def _init_worker(config: PreprocessConfig, parts_dir: str, tok: Tokenizer | None = None) -> None:
     tok = tok or _load_tokenizer(config)
-    _STATE.update(config=config, tok=tok, parts_dir=parts_dir, dtype=optimal_dtype(tok.vocab_size),
+    STATE.update(config=config, tok=tok, parts_dir=parts_dir, dtype=optimal_dtype(tok.vocab_size),
                   splitter=get_splitter(config.sentence_splitter) if config.split_sentences else None,
                   template=load_chat_template(config.chat_template, config.tokenizer_model)
                   if config.format == "sft" else None)
-
-
-def _part_prefix(parts_dir: str, index: int, key: str, level: str) -> str:
-    return os.path.join(parts_dir, f"part-{index:07d}_{key}_{level}")
-
-
-def _marker(parts_dir: str, index: int) -> str:
-    return os.path.join(parts_dir, f"part-{index:07d}.done")
 
 
 def _flatten(ids: list[list[int]], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -320,9 +301,9 @@ def _write_batch(builder: IndexedDatasetBuilder, tok: Tokenizer, texts: list[str
 
 def _process(task: _Task) -> dict[str, Any]:
     """Tokenize one partition into partial datasets (runs in a worker); returns its statistics."""
-    cfg: PreprocessConfig = _STATE["config"]
-    tok: Tokenizer = _STATE["tok"]
-    parts_dir = _STATE["parts_dir"]
+    cfg: PreprocessConfig = STATE["config"]
+    tok: Tokenizer = STATE["tok"]
+    parts_dir = STATE["parts_dir"]
     if task.payload is not None:
         data = task.payload
     else:
@@ -338,9 +319,9 @@ def _process(task: _Task) -> dict[str, Any]:
                              "bad_lines": 0, "bad": [], "blank_lines": 0, "truncated": 0, "dropped": 0,
                              "tokens": {k: 0 for k in keys}, "empty": {k: 0 for k in keys}}
     if cfg.format == "sft":
-        return _process_sft(task, lines, stats)
-    if cfg.format in _EXAMPLE_FIELDS:
-        return _process_examples(task, lines, stats)
+        return process_sft(task, lines, stats)
+    if cfg.format in EXAMPLE_FIELDS:
+        return process_examples(task, lines, stats)
     columns: list[list[str]] = [[] for _ in cfg.json_keys]
     for rel, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -349,135 +330,32 @@ def _process(task: _Task) -> dict[str, Any]:
         try:
             values = parse_line(raw, cfg.json_keys, task.path, None)
         except BadLineError as e:
-            if _bad(stats, rel, e.reason):
+            if record_bad(stats, rel, e.reason):
                 return stats
             continue
         for col, v in zip(columns, values):
             col.append(v)
     stats["documents"] = len(columns[0])
     for key, texts in zip(cfg.json_keys, columns):
-        prefix = _part_prefix(parts_dir, task.index, key, cfg.level)
+        prefix = part_prefix(parts_dir, task.index, key, cfg.level)
         # Partials skip fsync: a killed process loses nothing the page cache holds, and after a
         # machine crash the size checks on resume catch partials whose data never reached the disk.
-        with IndexedDatasetBuilder(prefix, _STATE["dtype"], durable=False) as builder:
+        with IndexedDatasetBuilder(prefix, STATE["dtype"], durable=False) as builder:
             batch: list[str] = []
             chars = 0
             for t in texts:
                 batch.append(t)
                 chars += len(t)
                 if chars >= _BATCH_CHARS:
-                    n, e = _write_batch(builder, tok, batch, cfg, _STATE["splitter"])
+                    n, e = _write_batch(builder, tok, batch, cfg, STATE["splitter"])
                     stats["tokens"][key] += n
                     stats["empty"][key] += e
                     batch, chars = [], 0
             if batch:
-                n, e = _write_batch(builder, tok, batch, cfg, _STATE["splitter"])
+                n, e = _write_batch(builder, tok, batch, cfg, STATE["splitter"])
                 stats["tokens"][key] += n
                 stats["empty"][key] += e
-    return _mark_done(parts_dir, task.index, stats)
-
-
-def _mark_done(parts_dir: str, index: int, stats: dict[str, Any]) -> dict[str, Any]:
-    marker = _marker(parts_dir, index)
-    with open(marker + ".tmp", "w") as f:
-        json.dump(stats, f)
-    os.replace(marker + ".tmp", marker)
-    return stats
-
-
-def _bad(stats: dict[str, Any], rel: int, reason: str, skippable: bool = True) -> bool:
-    """Record a bad line; True when the partition must stop (the line is not skipped)."""
-    if not (skippable and _STATE["config"].skip_bad_lines):
-        stats["error"] = (rel, reason)
-        return True
-    stats["bad_lines"] += 1
-    if len(stats["bad"]) < _MAX_EXAMPLES:
-        stats["bad"].append((rel, reason))
-    return False
-
-
-def _process_sft(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict[str, Any]:
-    """Render and tokenise the conversations of one partition into token + loss-mask partials."""
-    cfg: PreprocessConfig = _STATE["config"]
-    template = _STATE["template"]
-    limit = None if cfg.seq_length is None else cfg.seq_length + 1
-    rels, rendered = [], []
-    for rel, raw in enumerate(lines, 1):
-        if not raw.strip():
-            stats["blank_lines"] += 1
-            continue
-        try:
-            rendered.append(template.render(parse_conversation(raw, task.path, None)))
-            rels.append(rel)
-        except (BadConversationError, ChatTemplateError) as e:
-            if _bad(stats, rel, e.reason if isinstance(e, BadConversationError) else str(e)):
-                break  # the lines before it may still hold an earlier, too-long conversation
-    stats["documents"] = len(rendered)
-    prefixes = {k: _part_prefix(_STATE["parts_dir"], task.index, k, cfg.level) for k in ("text", "loss_mask")}
-    too_long = False
-    with IndexedDatasetBuilder(prefixes["text"], _STATE["dtype"], durable=False) as tb, \
-            IndexedDatasetBuilder(prefixes["loss_mask"], np.uint8, durable=False) as mb:
-        for b in range(0, len(rendered), _SFT_BATCH):
-            if too_long:
-                break
-            kept = []
-            for rel, (tokens, mask) in zip(rels[b:b + _SFT_BATCH],
-                                           tokenize_rendered(rendered[b:b + _SFT_BATCH], _STATE["tok"])):
-                fitted = fit_length(tokens, mask, limit, cfg.on_long)
-                if fitted == "error":
-                    too_long = _bad(stats, rel, too_long_reason(len(tokens), limit), skippable=False)  # type: ignore[arg-type]
-                    break
-                if isinstance(fitted, str):
-                    stats["dropped"] += 1
-                    continue
-                stats["truncated"] += len(fitted[0]) < len(tokens)
-                kept.append(fitted)
-            if kept:
-                lengths = np.array([len(t) for t, _ in kept], dtype=np.int64)
-                masks = np.concatenate([m for _, m in kept])
-                # ids are below vocab_size, which chose the dtype, so the cast cannot wrap
-                tb.add_batch(np.concatenate([t for t, _ in kept]).astype(tb.dtype), lengths)
-                mb.add_batch(masks, lengths)
-                stats["tokens"]["text"] += int(lengths.sum())
-                stats["tokens"]["loss_mask"] += int(masks.sum(dtype=np.int64))
-        if "error" in stats:
-            tb.abort()
-            mb.abort()
-            return stats
-    return _mark_done(_STATE["parts_dir"], task.index, stats)
-
-
-def _process_examples(task: _Task, lines: list[bytes], stats: dict[str, Any]) -> dict[str, Any]:
-    """Tokenise the examples of one partition into one partial per field (and, for classification,
-    labels with partition-local ids for string labels; ``write_labels`` makes them final)."""
-    cfg: PreprocessConfig = _STATE["config"]
-    encoder = (classification.LabelEncoder(cfg.labels, cfg.num_labels) if cfg.format == "classification" else None)
-    rows: list[tuple[Any, ...]] = []
-    for rel, raw in enumerate(lines, 1):
-        if not raw.strip():
-            stats["blank_lines"] += 1
-            continue
-        try:
-            rows.append(classification.parse_classification(raw, task.path, None, encoder, rel, BadLineError)
-                        if encoder is not None else seq2seq.parse_seq2seq(raw, task.path, None, BadLineError))
-        except BadLineError as e:
-            if _bad(stats, rel, e.reason):
-                return stats
-    stats["documents"] = len(rows)
-    for k, field_ in enumerate(_EXAMPLE_FIELDS[cfg.format]):
-        flat, lengths = encode_texts(_STATE["tok"], [r[k] for r in rows], _STATE["dtype"])
-        with IndexedDatasetBuilder(_part_prefix(_STATE["parts_dir"], task.index, field_, cfg.level), _STATE["dtype"],
-                                   durable=False) as builder:
-            builder.add_batch(flat, lengths)
-        stats["tokens"][field_] = int(lengths.sum())
-    if encoder is not None:
-        with IndexedDatasetBuilder(_part_prefix(_STATE["parts_dir"], task.index, "label", cfg.level), np.int32,
-                                   durable=False) as builder:
-            builder.add_batch(np.array([r[2] for r in rows], dtype=np.int32), np.ones(len(rows), dtype=np.int64))
-        stats["tokens"]["label"] = len(rows)
-        stats["pairs"] = sum(r[1] is not None for r in rows)
-        stats["labels"] = encoder.state()
-    return _mark_done(_STATE["parts_dir"], task.index, stats)
+    return mark_done(parts_dir, task.index, stats)
 
 
 def _file_fingerprint(path: str) -> str:
@@ -525,7 +403,7 @@ def _partials_intact(parts_dir: str, index: int, config: PreprocessConfig) -> bo
     # Partials are not fsynced, so after a machine crash a marker may outlive its data: check sizes.
     try:
         for key in config.output_prefixes():
-            IndexedDataset(_part_prefix(parts_dir, index, key, config.level)).close()
+            IndexedDataset(part_prefix(parts_dir, index, key, config.level)).close()
     except IndexedDatasetError:
         return False
     return True
@@ -606,7 +484,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         for task in task_list:
             if errors:
                 return
-            marker = _marker(parts_dir, task.index)
+            marker = marker_path(parts_dir, task.index)
             if os.path.exists(marker) and _partials_intact(parts_dir, task.index, config):
                 with open(marker) as f:
                     finished(json.load(f), resumed=True)
@@ -653,7 +531,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
         if not summary.pairs:  # single texts only: no text_pair output
             for d in (merged, outputs, summary.tokens, summary.empty_documents):
                 del d["text_pair"]
-        parts = [(_part_prefix(parts_dir, i, "label", level), done_stats[i]["labels"],
+        parts = [(part_prefix(parts_dir, i, "label", level), done_stats[i]["labels"],
                   lambda rel, s=done_stats[i]: (s["path"], _absolute_line(s, rel))) for i in order]
         summary.labels = classification.write_labels(
             parts, config.output_prefix, config.labels, config.num_labels,
@@ -661,7 +539,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
     for key, out in merged.items():
         with IndexedDatasetBuilder(out, config.output_dtype(key, tok.vocab_size), durable=config.fsync) as builder:
             for i in order:
-                builder.add_index(_part_prefix(parts_dir, i, key, level))
+                builder.add_index(part_prefix(parts_dir, i, key, level))
     for i in order:
         s = done_stats[i]
         summary.documents += s["documents"]
@@ -674,7 +552,7 @@ def run_preprocess(config: PreprocessConfig, progress: Callable[[ProgressInfo], 
             summary.tokens[k] += s["tokens"][k]
             summary.empty_documents[k] += s["empty"][k]
         for rel, reason in s["bad"]:
-            if len(summary.bad_line_examples) < _MAX_EXAMPLES:
+            if len(summary.bad_line_examples) < MAX_EXAMPLES:
                 summary.bad_line_examples.append(f"{s['path']}:{_absolute_line(s, rel)}: {reason}")
     summary.partitions = len(order)
     if not config.keep_partitions:

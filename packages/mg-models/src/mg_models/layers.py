@@ -171,10 +171,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def _inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.inv_freq.dtype != torch.float32:  # cast with the model (model.to(torch.bfloat16)): back to fp32
+            self.inv_freq = rotary_frequencies(self.rotary_dim, self.base, self.scaling)[0].to(self.inv_freq.device)
         dynamic = self.scaling is not None and self.scaling["type"] == "dynamic"
         seq_len = int(position_ids.max()) + 1 if dynamic and position_ids.numel() else None
-        if (seq_len is not None and seq_len > self.max_position_embeddings) or self.inv_freq.dtype != torch.float32:
-            # A longer run (dynamic NTK), or the buffer was cast to low precision with the model: recompute.
+        if seq_len is not None and seq_len > self.max_position_embeddings:  # a longer run: dynamic NTK's base
             inv_freq, _ = rotary_frequencies(self.rotary_dim, self.base, self.scaling, seq_len,
                                              self.max_position_embeddings)
             return inv_freq.to(self.inv_freq.device)
