@@ -3,7 +3,7 @@
 Only the weights come over: the run starts at iteration 1 with a fresh optimizer, schedule and
 data stream. The architecture is the pretrained model's (``model.*`` keys given override it, e.g.
 ``model.head: classification``). Every rank reads the whole pretrained model once (one process
-model, unsharded) and copies its own tensor-parallel block of each parameter of its pipeline stage,
+model, unsharded; only where the run starts from it, not on resume) and copies its own tensor-parallel block of each parameter of its pipeline stage,
 so a checkpoint of any layout, or a Hugging Face directory, starts any layout. Parameters the
 pretrained model lacks (a new classification head) keep their initialisation; pretrained weights
 this model does not use (an LM head under a classifier) are dropped; both are reported.
@@ -11,7 +11,8 @@ this model does not use (an LM head under a classifier) are dropped; both are re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,15 +24,33 @@ from mg_parallel.grid import ProcessGrid
 
 @dataclass
 class Pretrained:
-    """A pretrained model read for ``checkpoint.init_from``."""
+    """A pretrained model named by ``checkpoint.init_from``: its architecture, and its weights when first asked for
+    (so the launcher's preflight and a resumed run, which need only the architecture, never read them)."""
 
     path: str
     family: str
     """``gpt``, ``bert`` or ``t5`` (from the config's class)."""
     config: Any
     """Its architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
-    params: dict[str, torch.Tensor]
-    """Every parameter, unsharded, by its mg name (a tied output weight appears once, as the embedding)."""
+    _params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, by its mg name (a tied output weight appears once, as the embedding).
+
+        Raises:
+            TrainingError: the weights cannot be read (one line naming the path).
+        """
+        if self._params is None:
+            from mg_ckpt import CheckpointError
+            from mg_models import load_pretrained
+
+            try:
+                model = load_pretrained(self.path, dtype=torch.float32, device="cpu")
+            except (OSError, ValueError, CheckpointError) as e:
+                raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
+            self._params = {name: p.detach() for name, p in model.named_parameters()}
+        return self._params
 
 
 def family_of(config: Any) -> str:
@@ -43,20 +62,44 @@ def family_of(config: Any) -> str:
 
 
 def read_pretrained(path: str) -> Pretrained:
-    """The model at ``path`` (Hugging Face directory or mg checkpoint of any family and layout), on the CPU.
+    """The architecture of the model at ``path`` (Hugging Face directory or mg checkpoint of any family and
+    layout), from its config and tensor names; the weights are read when :attr:`Pretrained.params` is first used.
 
     Raises:
         TrainingError: ``path`` is neither, or cannot be read (one line naming it).
     """
     from mg_ckpt import CheckpointError
-    from mg_models import load_pretrained
 
     try:
-        model = load_pretrained(path, dtype=torch.float32, device="cpu")
+        config = pretrained_config(path)
     except (OSError, ValueError, CheckpointError) as e:
         raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
-    params = {name: p.detach() for name, p in model.named_parameters()}
-    return Pretrained(path=path, family=family_of(model.config), config=model.config, params=params)
+    return Pretrained(path=path, family=family_of(config), config=config)
+
+
+def pretrained_config(path: str) -> Any:
+    """The model config of an mg checkpoint (its recorded config) or a Hugging Face directory (``config.json`` and
+    the names of its tensors), the same :func:`mg_models.load_pretrained` builds the model from.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or has neither ``config.json`` nor an mg checkpoint.
+        ValueError, mg_ckpt.CheckpointError: an unsupported architecture, an unreadable checkpoint.
+    """
+    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint
+
+    if is_mg_checkpoint(path):
+        from mg_ckpt import CheckpointReader
+
+        reader = CheckpointReader(path, verify=False)
+        return config_from_state(reader.extra, reader.path)
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (no config.json) nor an mg "
+                                f"checkpoint")
+    from mg_ckpt import HFSafetensorsReader
+    from mg_models.hf import read_hf_config
+
+    reader = HFSafetensorsReader(str(path))
+    return read_hf_config(path, reader.weight_map, reader.read)[0]
 
 
 def architecture(pretrained: Pretrained, model_type: str) -> dict[str, Any]:
