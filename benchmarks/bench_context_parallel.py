@@ -3,8 +3,10 @@
 1. Time: causal attention forward+backward over ``--seq`` tokens, as ring attention (``cp_comm``
    p2p) on 2 processes x 1 thread against 1 process x 2 threads running the same attention on the
    whole sequence (``context_parallel_attention(group=None)``: SDPA, i.e. the same CPU flash kernel).
-   The two are interleaved rep by rep; efficiency = t(1 process, 2 threads) / t(cp=2), median of
-   the per-rep ratios (1.0 = perfect scaling; the causal layout gives every rank the same work).
+   The two are interleaved rep by rep; efficiency = t(1 process, 2 threads) / t(cp=2) (wall time of
+   the slowest rank), median of the per-rep ratios (1.0 = perfect scaling; the causal layout gives
+   every rank the same work). The CPU-time ratio (CPU seconds of the one process / CPU seconds of
+   both ranks together) is steadier on a shared machine; it misses time spent waiting.
    ``--comms`` adds the other kinds to the timing.
 2. Bytes: every kind's forward+backward at cp=2 and cp=4 with the communication calls wrapped to
    count the bytes each rank receives, against the analytic figure per attention layer.
@@ -40,19 +42,19 @@ def _fwd_bwd(qkv: list[torch.Tensor], group: dist.ProcessGroup | None, comm: str
     out.backward(torch.ones_like(out))
 
 
-def time_attention(cp: int, comm: str, seq: int, heads: int, head_dim: int, inner: int) -> float:
-    """Seconds per forward+backward on this rank (the slowest rank is what counts)."""
+def time_attention(cp: int, comm: str, seq: int, heads: int, head_dim: int, inner: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per forward+backward on this rank; CPU time counts all its threads."""
     grid = build_grid(ParallelDims(cp=cp))
     qkv = [split_for_cp(t, grid.cp_rank, cp, seq_dim=2) for t in _inputs(seq, heads, heads, head_dim)]
     _fwd_bwd(qkv, grid.cp_group, comm)  # warm-up
     if cp > 1:
         dist.barrier(group=grid.cp_group)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(inner):
         _fwd_bwd(qkv, grid.cp_group, comm)
     if cp > 1:
         dist.barrier(group=grid.cp_group)
-    return (time.perf_counter() - t0) / inner
+    return (time.perf_counter() - t0) / inner, (time.process_time() - c0) / inner
 
 
 def count_bytes(cp: int, comm: str, seq: int, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -116,21 +118,25 @@ def main() -> None:
           f"fp32, forward+backward; per-block kernel: {block_attention_impl('cpu', torch.float32)}")
     args = (a.seq, a.heads, a.head_dim, a.inner)
     ratios: dict[str, list[float]] = {c: [] for c in a.comms}
+    cpu_ratios: dict[str, list[float]] = {c: [] for c in a.comms}
     times: dict[str, list[float]] = {c: [] for c in ["1proc"] + a.comms}
     run_distributed(time_attention, 1, 1, "p2p", 64, 1, 8, 1, threads=2)  # start both pools before timing
     run_distributed(time_attention, 2, 2, "p2p", 64, 1, 8, 1, threads=1)
     for rep in range(a.reps):
-        t1 = run_distributed(time_attention, 1, 1, "p2p", *args, threads=2, timeout=1800)[0]
+        t1, c1 = run_distributed(time_attention, 1, 1, "p2p", *args, threads=2, timeout=1800)[0]
         times["1proc"].append(t1)
         for comm in a.comms:
-            t2 = max(run_distributed(time_attention, 2, 2, comm, *args, threads=1, timeout=1800))
+            ranks = run_distributed(time_attention, 2, 2, comm, *args, threads=1, timeout=1800)
+            t2 = max(t for t, _ in ranks)
             times[comm].append(t2)
             ratios[comm].append(t1 / t2)
+            cpu_ratios[comm].append(c1 / sum(c for _, c in ranks))
         print(f"rep {rep}: 1 process x 2 threads {t1:.2f} s | "
               + " | ".join(f"cp=2 {c} {times[c][-1]:.2f} s" for c in a.comms), flush=True)
     for comm in a.comms:
         print(f"cp=2 {comm} (2 processes x 1 thread): median {statistics.median(times[comm]):.2f} s vs 1 process x "
-              f"2 threads {statistics.median(times['1proc']):.2f} s: efficiency {statistics.median(ratios[comm]):.2f}")
+              f"2 threads {statistics.median(times['1proc']):.2f} s: efficiency {statistics.median(ratios[comm]):.2f} "
+              f"(CPU-time ratio {statistics.median(cpu_ratios[comm]):.2f})")
 
     for cp in (2, 4):
         for heads, kv_heads in ((a.heads, a.heads), (2 * a.heads, a.heads)):  # MHA, GQA

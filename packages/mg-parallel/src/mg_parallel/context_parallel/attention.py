@@ -59,14 +59,29 @@ def _natural_attention(q, k, v, causal, window, docs, scale):  # noqa: ANN001, A
                   False, scale)
 
 
+def _natural_order(cp: int, local_len: int, device: torch.device) -> torch.Tensor:
+    # Index that sorts a rank-order gathered sequence into natural order.
+    return torch.cat([cp_position_ids(local_len, r, cp, device) for r in range(cp)]).argsort()
+
+
 def _allgather_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
     cp, rank, local_len = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
-    kv = all_gather_seq(torch.stack([k, v]), group, seq_dim=3)  # [2, b, hkv, s, d] in rank order
-    k_pos = torch.cat([cp_position_ids(local_len, r, cp, q.device) for r in range(cp)])
-    q_pos = cp_position_ids(local_len, rank, cp, q.device)
-    k_doc = None if docs is None else gather_seq(docs, group, 1)
-    mask = attention_mask(q_pos, k_pos, causal=causal, window=window, q_doc=docs, k_doc=k_doc)
-    return _dense(q, kv[0], kv[1], mask, False, scale)
+    s, c = cp * local_len, local_len // 2
+    order = _natural_order(cp, local_len, q.device)
+    kv = all_gather_seq(torch.stack([k, v]), group, seq_dim=3).index_select(3, order)  # [2, b, hkv, s, d]
+    all_docs = None if docs is None else gather_seq(docs, group, 1).index_select(1, order)
+    outs = []
+    for i, start in enumerate((rank * c, (2 * cp - 1 - rank) * c)):
+        # Only the keys some query of this chunk may see: none after it when causal, none beyond the
+        # window, so a causal rank does (2cp + 1) c^2 work instead of 4cp c^2, the same on every rank.
+        lo = 0 if window is None else max(0, start - window + 1)
+        hi = start + c if causal else (s if window is None else min(s, start + c + window - 1))
+        qs = slice(i * c, (i + 1) * c)
+        mask = attention_mask(torch.arange(start, start + c, device=q.device), torch.arange(lo, hi, device=q.device),
+                              causal=causal, window=window, q_doc=None if docs is None else docs[:, qs],
+                              k_doc=None if docs is None else all_docs[:, lo:hi])
+        outs.append(_dense(q[:, :, qs], kv[0][:, :, lo:hi], kv[1][:, :, lo:hi], mask, False, scale))
+    return torch.cat(outs, dim=2)
 
 
 def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
@@ -77,8 +92,7 @@ def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001
             f"heads and {k.shape[1]} kv heads; both must be divisible by parallel.cp (or use cp_comm p2p/allgather)"
         )
     # The gathered sequence is in rank order; sort it into natural order so SDPA can use is_causal.
-    pos = torch.cat([cp_position_ids(local_len, r, cp, q.device) for r in range(cp)])
-    order = pos.argsort()
+    order = _natural_order(cp, local_len, q.device)
     back = order.argsort()
     qh, kh, vh = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
     all_docs = None if docs is None else gather_seq(docs, group, 1).index_select(1, order)
