@@ -107,12 +107,17 @@ def test_gathered_position_scores_equal_full_logits(model_pair):
         assert ours.logprobs == pytest.approx(want.tolist(), abs=1e-6)
         assert ours.greedy == bool((rows.argmax(-1) == torch.tensor(tgt)).all())
     ids = torch.tensor([list(b"abcdefgh"), list(b"hgfedcba")])
-    positions = torch.tensor([[7, 0, 3], [2, 2, 5]])
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, [0, 3, 7]] = mask[1, 5] = True
+    labels = torch.tensor([98, 100, 104, 99])
     with torch.no_grad():
-        full, picked = model(ids, gather_logits=True), model(ids, gather_logits=True, output_positions=positions)
-    assert torch.allclose(picked, full[torch.arange(2)[:, None], positions], atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="output_positions"):
-        model(ids, output_positions=torch.tensor([[8], [0]]))
+        full, picked = model(ids, gather_logits=True), model(ids, gather_logits=True, output_mask=mask)
+        loss = model(ids, labels=labels, output_mask=mask)
+    assert torch.allclose(picked, full[mask], atol=1e-6, rtol=0)
+    want = -F.log_softmax(full[mask], dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+    assert torch.allclose(loss, want, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="output_mask"):
+        model(ids, output_mask=mask[:, :4])
 
 
 @pytest.mark.parametrize("stride", [CTX, 20])

@@ -153,15 +153,13 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def _check_positions(positions: torch.Tensor, b: int, s: int, last_token_only: bool) -> None:
-    """Raise ValueError unless ``positions`` is an integer [b, k] index into 0..s-1 (and not with last_token_only)."""
+def _check_output_mask(mask: torch.Tensor, b: int, s: int, last_token_only: bool) -> None:
+    """Raise ValueError unless ``mask`` is a bool [b, s] tensor (and last_token_only is off)."""
     if last_token_only:
-        raise ValueError("pass output_positions or last_token_only, not both")
-    if positions.dim() != 2 or positions.shape[0] != b or positions.is_floating_point():
-        raise ValueError(f"output_positions has shape {tuple(positions.shape)} ({positions.dtype}), expected "
-                         f"integer [batch, k] = [{b}, k]")
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < s:
-        raise ValueError(f"output_positions must lie in 0..{s - 1} (the sequence length is {s})")
+        raise ValueError("pass output_mask or last_token_only, not both")
+    if mask.dtype != torch.bool or mask.shape != (b, s):
+        raise ValueError(f"output_mask is {mask.dtype} of shape {tuple(mask.shape)}, expected bool [batch, seq] = "
+                         f"[{b}, {s}]")
 
 
 class GPTModel(PipelineStageModel):
@@ -217,7 +215,7 @@ class GPTModel(PipelineStageModel):
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                 document_ids: torch.Tensor | None = None, gather_logits: bool | None = None,
                 inference_cache: Any = None, last_token_only: bool = False,
-                output_positions: torch.Tensor | None = None) -> torch.Tensor:
+                output_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run this chunk (every pipeline stage takes the same position_ids, attention_mask and document_ids).
 
         Args:
@@ -235,16 +233,16 @@ class GPTModel(PipelineStageModel):
                 rank's shard [b, s, V_pad/tp]; None uses ``self.gather_logits_default``.
             inference_cache: an :class:`~mg_models.generation.InferenceCache` for incremental decoding.
             last_token_only: compute logits for the last position only (s = 1 in the result).
-            output_positions: [b, k] positions (0..s-1) of each row at which to compute logits (or the loss,
-                with labels [b, k]); the result has k in place of s. Without sequence parallelism only those
-                positions are projected onto the vocabulary (scoring needs a few of them).
+            output_mask: bool [b, s]: compute logits (or the loss, with labels [n]) only where it is True; the
+                result is [n, ...] over those n positions in row-major order (as ``tensor[output_mask]``).
+                Without sequence parallelism only they are projected onto the vocabulary (scoring needs few).
 
         Returns:
             Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above); with the
             classification head, logits [b, num_labels] of each sequence's last non-padding token, or loss [b].
 
         Raises:
-            ValueError: a mask, document ids, labels or output positions of the wrong shape, or a sequence too long.
+            ValueError: a mask, document ids, labels or output mask of the wrong shape, or a sequence too long.
         """
         c = self.config
         b, s = self._batch_and_seq(input_ids)
@@ -273,23 +271,24 @@ class GPTModel(PipelineStageModel):
             logits = self.score(last_token_hidden(full_sequence(self.ctx, x), mask))  # [b, num_labels]
             return classification_loss(logits, labels) if labels is not None else logits
         weight = self.embedding.word_embeddings.weight if not hasattr(self.output_layer, "weight") else None
-        if output_positions is not None:
-            _check_positions(output_positions, b, s, last_token_only)
-            rows = torch.arange(b, device=output_positions.device)
+        picked = output_mask is not None
+        if picked:
+            _check_output_mask(output_mask, b, s, last_token_only)
         if last_token_only and not self.ctx.sequence_parallel:
             x = x[-1:]
-        elif output_positions is not None and not self.ctx.sequence_parallel:
-            x = x[output_positions.t(), rows]  # [k, b, h]: the vocabulary projection dominates short scoring
-        logits = self.output_layer(x, weight)  # [s, b, V_pad/tp]
+        elif picked and not self.ctx.sequence_parallel:
+            x = x.transpose(0, 1)[output_mask]  # [n, h]: the vocabulary projection dominates short scoring
+        logits = self.output_layer(x, weight)  # [s, b, V_pad/tp] ([n, V_pad/tp] picked)
         if last_token_only:
             logits = logits[-1:]
-        elif output_positions is not None and self.ctx.sequence_parallel:
-            logits = logits[output_positions.t(), rows]  # [k, b, V_pad/tp]
+        elif picked and self.ctx.sequence_parallel:
+            logits = logits.transpose(0, 1)[output_mask]  # [n, V_pad/tp]
         if labels is not None:
-            loss = vocab_parallel_cross_entropy(logits.float(), labels.t(), tp_group=self.ctx.tp_group,
-                                                vocab_size=c.vocab_size)
-            return loss.t()  # [b, s]
-        logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
+            loss = vocab_parallel_cross_entropy(logits.float(), labels if picked else labels.t(),
+                                                tp_group=self.ctx.tp_group, vocab_size=c.vocab_size)
+            return loss if picked else loss.t()  # [n] or [b, s]
+        if not picked:
+            logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
         if gather_logits is None:
             gather_logits = self.gather_logits_default
         if gather_logits:

@@ -100,8 +100,9 @@ class PipelineRunner(ModelRunner):
     Generation recomputes the whole prefix at every step (no key/value cache across stages).
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None) -> None:
-        super().__init__(model, max_length=max_length, dp_group=dp_group)
+    def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None,
+                 decoder_start_token_id: int = 0) -> None:
+        super().__init__(model, max_length=max_length, dp_group=dp_group, decoder_start_token_id=decoder_start_token_id)
         if self.family == "t5":
             raise ValueError("T5 cannot be split into pipeline stages; use parallel.pp=1")
 
@@ -123,10 +124,10 @@ class PipelineRunner(ModelRunner):
         return out
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         self._check_lm()
-        shape = (*(ids if positions is None else positions).shape, self.config.vocab_size)
-        return self._pipelined(ids, shape, gather_logits=True, output_positions=positions)
+        shape = (*ids.shape, self.config.vocab_size) if mask is None else (int(mask.sum()), self.config.vocab_size)
+        return self._pipelined(ids, shape, gather_logits=True, output_mask=mask)
 
     @torch.no_grad()
     def classify(self, ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -151,8 +152,9 @@ class PipelineRunner(ModelRunner):
             seq, new = list(prompt), []
             for _ in range(max_new_tokens):
                 ids = torch.as_tensor([seq], dtype=torch.long, device=self.device)
-                last = torch.tensor([[len(seq) - 1]], device=self.device)
-                token = int(sample_next(self.logits(ids, last)[:, -1], config, generator)[0])
+                last = torch.zeros_like(ids, dtype=torch.bool)
+                last[0, -1] = True
+                token = int(sample_next(self.logits(ids, last), config, generator)[0])  # logits [1, V]
                 seq.append(token)
                 new.append(token)
                 if token in stop_token_ids:

@@ -138,20 +138,25 @@ class LMScorer:
         out: list[TokenScores | None] = [None] * len(requests)
         device = self.runner.device
         for start in range(0, len(order), self.batch_size):
-            batch = [requests[i] for i in order[start:start + self.batch_size]]
-            width, k = len(batch[0][0]), max(len(tgt) for _, tgt in batch)
-            # Right padding (causal attention ignores it). Row r's targets are predicted at its last len(tgt)
-            # input positions; shorter target lists repeat their last position and target (dropped below).
-            ids = [[*inp, *[0] * (width - len(inp))] for inp, _ in batch]
-            positions = [[*range(len(inp) - len(tgt), len(inp)), *[len(inp) - 1] * (k - len(tgt))] for inp, tgt in batch]
-            targets = [[*tgt, *[tgt[-1]] * (k - len(tgt))] for _, tgt in batch]
-            ids_t, pos_t, tgt_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (ids, positions, targets))
-            logprobs = self.runner.logits(ids_t, pos_t).float().log_softmax(-1)  # [b, k, V]
-            picked = logprobs.gather(-1, tgt_t[..., None]).squeeze(-1).tolist()   # [b, k]
-            hits = (logprobs.argmax(-1) == tgt_t).tolist()
-            for row, i in enumerate(order[start:start + self.batch_size]):
-                t = len(batch[row][1])
-                out[i] = TokenScores(picked[row][:t], all(hits[row][:t]))
+            batch = order[start:start + self.batch_size]
+            width = len(requests[batch[0]][0])
+            ids = torch.zeros(len(batch), width, dtype=torch.long)  # right padding: causal attention ignores it
+            scored = torch.zeros(len(batch), width, dtype=torch.bool)  # the positions whose next token is a target
+            targets: list[int] = []
+            for row, i in enumerate(batch):
+                inp, tgt = requests[i]
+                ids[row, : len(inp)] = torch.as_tensor(inp, dtype=torch.long)
+                scored[row, len(inp) - len(tgt): len(inp)] = True
+                targets.extend(tgt)  # row-major, as the logits come back
+            target = torch.as_tensor(targets, dtype=torch.long, device=device)
+            logprobs = self.runner.logits(ids.to(device), scored.to(device)).float().log_softmax(-1)  # [n, V]
+            picked = logprobs.gather(-1, target[:, None]).squeeze(-1).tolist()
+            hits = (logprobs.argmax(-1) == target).tolist()
+            at = 0
+            for i in batch:
+                t = len(requests[i][1])
+                out[i] = TokenScores(picked[at:at + t], all(hits[at:at + t]))
+                at += t
             self.progress(len(batch))
         return out  # type: ignore[return-value]
 

@@ -95,16 +95,16 @@ class ModelRunner:
         return "t5" if isinstance(self.config, T5Config) else "bert" if isinstance(self.config, BertConfig) else "gpt"
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits ``[b, s, vocab_size]`` of a causal LM for right-padded ``ids [b, s]``; with
-        ``positions [b, k]`` only those positions' logits, ``[b, k, vocab_size]`` (the rest are never projected
-        onto the vocabulary).
+    def logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits ``[b, s, vocab_size]`` of a causal LM for right-padded ``ids [b, s]``; with a bool
+        ``mask [b, s]`` only the logits of its n True positions, ``[n, vocab_size]`` in row-major order (the
+        others are never projected onto the vocabulary).
 
         Raises:
             ValueError: the model is not a GPT-family language model.
         """
         self._check_lm()
-        return self.model(ids, gather_logits=True, output_positions=positions)
+        return self.model(ids, gather_logits=True, output_mask=mask)
 
     def _check_lm(self) -> None:
         if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
