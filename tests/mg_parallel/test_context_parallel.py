@@ -57,7 +57,8 @@ def _documents(s: int, gen: torch.Generator) -> torch.Tensor:
 def _cases():
     for causal in (True, False):
         for hq, hkv in ((4, 4), (8, 2)):
-            yield dict(causal=causal, hq=hq, hkv=hkv, window=None, docs=False)
+            # GQA inputs arrive as [b, s, h, d] transposed: strided, as a fused qkv projection gives them.
+            yield dict(causal=causal, hq=hq, hkv=hkv, window=None, docs=False, strided=hkv < hq)
         yield dict(causal=causal, hq=4, hkv=2, window=5, docs=False)
         yield dict(causal=causal, hq=4, hkv=4, window=None, docs=True)
     yield dict(causal=True, hq=4, hkv=2, window=1, docs=False)
@@ -81,6 +82,9 @@ def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32
     ref.backward(dout)
 
     local = [split_for_cp(t, rank, cp, seq_dim=2).to(dtype).requires_grad_(True) for t in (q, k, v)]
+    if case.get("strided"):
+        local = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in local]
+        assert not local[0].is_contiguous()
     local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1)
     out = context_parallel_attention(*local, group=group, comm=comm, causal=causal, window=window,
                                      document_ids=local_docs, scale=scale, impl=impl)
