@@ -159,17 +159,17 @@ def test_masks_and_kernel_names():
 
 def test_ring_steps_are_balanced_and_windows_skip_blocks():
     """Causal ring: every step after the first costs every rank 2c^2 scores; a window drops pairs."""
-    from mg_parallel.context_parallel.ring import _step_blocks
+    from mg_parallel.context_parallel.plan import step_blocks
 
     cp, c = 4, 4
     for rank in range(cp):
         for i in range(cp):
-            blocks = _step_blocks(rank, (rank - i) % cp, cp, 2 * c, causal=True, window=None)
+            blocks = step_blocks(rank, (rank - i) % cp, cp, 2 * c, causal=True, window=None)
             area = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _, _ in blocks)
             assert area == (4 if i == 0 else 2) * c * c, (rank, i, blocks)
             assert [kind for _, _, kind, _ in blocks] == ["causal" if i == 0 else "full"]
     # Window 2 on chunks of 4: each rank keeps its two diagonal pairs and the neighbouring chunk only.
-    kept = [len(_step_blocks(0, src, cp, 2 * c, causal=True, window=2)) for src in range(cp)]
+    kept = [len(step_blocks(0, src, cp, 2 * c, causal=True, window=2)) for src in range(cp)]
     assert kept == [2, 1, 0, 0], kept  # rank 0 holds chunks 0 and 7; chunk 7 also sees chunk 6, on rank 1
 
 
@@ -187,9 +187,9 @@ def test_bad_options_name_the_field():
 
 def _fail_mid_ring() -> None:
     """Rank 1 raises in the second step of the ring; the others are left waiting on it."""
-    from mg_parallel.context_parallel import ring
+    from mg_parallel.context_parallel import blocks
 
-    real, calls = ring.block_forward, []
+    real, calls = blocks.block_forward, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -197,14 +197,14 @@ def _fail_mid_ring() -> None:
             raise RuntimeError("injected failure in the second ring step")
         return real(*args, **kwargs)
 
-    ring.block_forward = flaky
+    blocks.block_forward = flaky
     try:
         grid = build_grid(ParallelDims(cp=WORLD))
         q = torch.randn(1, 4, 8, D, requires_grad=True)
         context_parallel_attention(q, q, q, group=grid.cp_group, comm="p2p", causal=False).sum().backward()
         dist.barrier(group=grid.cp_group)
     finally:
-        ring.block_forward = real
+        blocks.block_forward = real
 
 
 def test_rank_failing_mid_ring_fails_the_job():

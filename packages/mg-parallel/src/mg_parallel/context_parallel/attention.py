@@ -8,11 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mg_parallel.context_parallel.allgather import AllGatherAttention
 from mg_parallel.context_parallel.blocks import default_scale
 from mg_parallel.context_parallel.chunking import cp_position_ids
-from mg_parallel.context_parallel.comm import all_gather_seq, gather_seq, heads_to_seq, seq_to_heads
+from mg_parallel.context_parallel.comm import gather_seq, heads_to_seq, seq_to_heads
 from mg_parallel.context_parallel.masks import attention_mask
-from mg_parallel.context_parallel.ring import ring_attention
+from mg_parallel.context_parallel.plan import build_plan
+from mg_parallel.context_parallel.ring import RingAttention
 
 __all__ = ["CP_COMM_KINDS", "ContextParallelConfig", "check_cp_comm", "context_parallel_attention"]
 
@@ -64,26 +66,6 @@ def _natural_order(cp: int, local_len: int, device: torch.device) -> torch.Tenso
     return torch.cat([cp_position_ids(local_len, r, cp, device) for r in range(cp)]).argsort()
 
 
-def _allgather_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
-    cp, rank, local_len = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
-    s, c = cp * local_len, local_len // 2
-    order = _natural_order(cp, local_len, q.device)
-    kv = all_gather_seq(torch.stack([k, v]), group, seq_dim=3).index_select(3, order)  # [2, b, hkv, s, d]
-    all_docs = None if docs is None else gather_seq(docs, group, 1).index_select(1, order)
-    outs = []
-    for i, start in enumerate((rank * c, (2 * cp - 1 - rank) * c)):
-        # Only the keys some query of this chunk may see: none after it when causal, none beyond the
-        # window, so a causal rank does (2cp + 1) c^2 work instead of 4cp c^2, the same on every rank.
-        lo = 0 if window is None else max(0, start - window + 1)
-        hi = start + c if causal else (s if window is None else min(s, start + c + window - 1))
-        qs = slice(i * c, (i + 1) * c)
-        mask = attention_mask(torch.arange(start, start + c, device=q.device), torch.arange(lo, hi, device=q.device),
-                              causal=causal, window=window, q_doc=None if docs is None else docs[:, qs],
-                              k_doc=None if docs is None else all_docs[:, lo:hi])
-        outs.append(_dense(q[:, :, qs], kv[0][:, :, lo:hi], kv[1][:, :, lo:hi], mask, False, scale))
-    return torch.cat(outs, dim=2)
-
-
 def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
     cp, local_len = dist.get_world_size(group), q.shape[2]
     if q.shape[1] % cp or k.shape[1] % cp:
@@ -121,8 +103,8 @@ def context_parallel_attention(
         document_ids: ``[b, s/cp]`` integer id per token of this rank's part (split like the tokens);
             attention stays within a document (packed sequences). None: one document.
         scale: softmax scale, default ``1 / sqrt(d)``.
-        impl: per-block kernel of ``"p2p"`` (``"flash-cpu"`` or ``"reference"``; default: chosen
-            by :func:`block_attention_impl`). Ignored by the other kinds, which call SDPA.
+        impl: per-block kernel of ``"p2p"`` and ``"allgather"`` (``"flash-cpu"`` or ``"reference"``;
+            default: chosen by :func:`block_attention_impl`). Ignored by ``"a2a"``, which calls SDPA.
 
     Returns:
         ``[b, hq, s/cp, d]`` in ``q``'s dtype. No dropout.
@@ -147,8 +129,10 @@ def context_parallel_attention(
         return _natural_attention(q, k, v, causal, window, document_ids, scale)
     if q.shape[2] % 2:
         raise ValueError(f"each context-parallel rank holds two equal chunks, so s/cp must be even, got {q.shape[2]}")
-    if comm == "p2p":
-        return ring_attention(q, k, v, group=group, causal=causal, window=window, document_ids=document_ids,
-                              scale=scale, impl=impl)
-    run = _allgather_attention if comm == "allgather" else _a2a_attention
-    return run(q, k, v, group, causal, window, document_ids, scale)
+    if comm == "a2a":
+        return _a2a_attention(q, k, v, group, causal, window, document_ids, scale)
+    # p2p and allgather attend the same blocks; they differ in how K/V reach them.
+    all_docs = None if document_ids is None else gather_seq(document_ids, group, 1)
+    plan = build_plan(dist.get_rank(group), dist.get_world_size(group), q.shape[2], causal, window, document_ids,
+                      all_docs, q.device)
+    return (RingAttention if comm == "p2p" else AllGatherAttention).apply(q, k, v, group, plan, scale, impl)

@@ -31,7 +31,8 @@ import math
 
 import torch
 
-__all__ = ["block_attention_impl", "block_backward", "block_forward", "merge_into"]
+__all__ = ["attend_blocks", "attend_blocks_backward", "block_attention_impl", "block_backward", "block_forward",
+           "merge_into"]
 
 _NEG_INF = float("-inf")
 
@@ -149,6 +150,33 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     safe = _finite(new)
     out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
     lse.copy_(new)
+
+
+def attend_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list, out: torch.Tensor, lse: torch.Tensor, *,
+    scale: float, impl: str | None,
+) -> None:
+    """Attend ``q`` to one K/V block per ``(q slice, k slice, kind, mask)`` of ``blocks`` (slices of
+    the sequence dim) and merge each result into the running fp32 ``out``, ``lse`` in place."""
+    for qs, ks, kind, mask in blocks:
+        bo, bl = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind=kind, mask=mask, scale=scale, impl=impl)
+        merge_into(out[:, :, qs], lse[:, :, qs], bo, bl)
+
+
+def attend_blocks_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, blocks: list, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, scale: float,
+    impl: str | None,
+) -> None:
+    """Backward of :func:`attend_blocks`: add every block's contributions to the fp32
+    ``grads = (dq, dk, dv)`` (shaped like ``q``, ``k``, ``v``) in place."""
+    dq, dk, dv = grads
+    for qs, ks, kind, mask in blocks:
+        bdq, bdk, bdv = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                       lse[:, :, qs], delta[:, :, qs], kind=kind, mask=mask, scale=scale, impl=impl)
+        dq[:, :, qs] += bdq
+        dk[:, :, ks] += bdk
+        dv[:, :, ks] += bdv
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:

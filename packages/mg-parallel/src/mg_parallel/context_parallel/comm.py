@@ -1,5 +1,6 @@
-"""Communication of context-parallel attention: the ring exchange, and the all-gather and
-all-to-all of the sequence as autograd functions (each with its adjoint in backward).
+"""Communication of context-parallel attention: the ring exchange, the all-gather and
+reduce-scatter of the sequence, and the Ulysses all-to-all as an autograd function (its adjoint in
+backward).
 
 Tensors follow the attention layout ``[b, heads, s, d]``; "rank order" means the concatenation of
 every rank's load-balanced part (see :mod:`~mg_parallel.context_parallel.chunking`), rank 0 first.
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from mg_parallel import collectives
 
-__all__ = ["RingExchange", "all_gather_seq", "gather_seq", "heads_to_seq", "seq_to_heads"]
+__all__ = ["RingExchange", "gather_seq", "heads_to_seq", "reduce_scatter_seq", "seq_to_heads"]
 
 
 class RingExchange:
@@ -50,31 +51,14 @@ def gather_seq(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> torch
     return out.movedim(0, seq_dim)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> torch.Tensor:
+    """Sum ``x`` (every rank's parts in rank order along ``seq_dim``) over ranks; this rank's part
+    (collective, no autograd)."""
     world = dist.get_world_size(group)
     moved = x.movedim(seq_dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     collectives.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, seq_dim)
-
-
-class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> torch.Tensor:
-        ctx.group, ctx.seq_dim = group, seq_dim
-        return gather_seq(x, group, seq_dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter_seq(grad, ctx.group, ctx.seq_dim), None, None
-
-
-def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int = 2) -> torch.Tensor:
-    """Differentiable :func:`gather_seq`: gradients of the gathered tensor are summed over ranks
-    and each rank keeps those of its own part (reduce-scatter)."""
-    return _AllGatherSeq.apply(x, group, seq_dim)
 
 
 def _a2a_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
