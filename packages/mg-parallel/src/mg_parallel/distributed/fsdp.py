@@ -1,0 +1,380 @@
+"""Fully sharded data parallelism: PyTorch's FSDP2 (``fully_shard``) applied to a model from outside.
+
+:func:`apply_fsdp` shards every transformer block, then the root, over a ``DeviceMesh`` built from
+the grid's own data-parallel group (``dp_cp_group`` when cp > 1), so tensor-parallel shards of mg's
+layers stay local to their tp rank and FSDP splits each of them further over dp (2-D: tp x dp).
+``shard_size=N`` gives hybrid sharding (HSDP): shard within groups of N data-parallel ranks and
+replicate (all-reduce) across them. Parameters stay in the precision policy's main dtype (fp32) as
+DTensor shards; compute runs in the policy's compute dtype (FSDP's ``MixedPrecisionPolicy``).
+
+The rest of the training loop uses these helpers: :func:`no_gradient_sync` for gradient
+accumulation, :func:`fsdp_grad_norm` / :func:`clip_fsdp_grads` for the global norm over DTensor
+gradient shards, :func:`finalize_fsdp_grads` for sequence-parallel and pipeline-tied gradients,
+:func:`check_fsdp` for config validation and :func:`memory_bytes` for per-rank memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from mg_parallel.collectives import all_reduce_coalesced
+from mg_parallel.grid import ProcessGrid
+from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm
+from mg_parallel.precision import Precision
+
+__all__ = [
+    "apply_fsdp",
+    "check_fsdp",
+    "clip_fsdp_grads",
+    "data_parallel_rank_lists",
+    "finalize_fsdp_grads",
+    "fsdp_grad_norm",
+    "fsdp_mesh",
+    "local_tensor",
+    "memory_bytes",
+    "no_gradient_sync",
+]
+
+# Python attributes mg keeps on parameters (tensor-parallel tags, sequence parallel, tied embeddings);
+# fully_shard replaces every parameter with a new DTensor parameter, so they are carried over.
+_PARAM_TAGS = ("tensor_parallel", "partition_dim", "sequence_parallel", "shared_embedding")
+
+
+def check_fsdp(
+    grid_or_dp: ProcessGrid | int,
+    *,
+    fsdp: bool = True,
+    use_distributed_optimizer: bool = False,
+    shard_size: int | None = None,
+    cp: int = 1,
+) -> None:
+    """Validate an FSDP configuration before any model is built (the CLI calls it on every rank).
+
+    Args:
+        grid_or_dp: the process grid, or the data-parallel size.
+        fsdp: ``parallel.fsdp``; nothing is checked when False.
+        use_distributed_optimizer: ``parallel.use_distributed_optimizer``: mg's ZeRO optimizer, which
+            shards state over the same ranks and cannot be combined with FSDP.
+        shard_size: ``parallel.fsdp_shard_size`` (HSDP group size) or None for full sharding.
+        cp: the context-parallel size (taken from the grid when one is given).
+
+    Raises:
+        ValueError: FSDP with the distributed optimizer, or a shard size that is not a positive
+            divisor of dp * cp (the message names the keys and the fix).
+    """
+    if not fsdp:
+        return
+    if isinstance(grid_or_dp, ProcessGrid):
+        dp, cp = grid_or_dp.dp_size, grid_or_dp.cp_size
+    else:
+        dp = grid_or_dp
+    if use_distributed_optimizer:
+        raise ValueError(
+            "parallel.fsdp and parallel.use_distributed_optimizer cannot both be true: FSDP already shards "
+            "parameters, gradients and optimizer state over the data-parallel ranks; set "
+            "use_distributed_optimizer: false (and use a torch optimizer over the sharded parameters)"
+        )
+    if shard_size is not None:
+        ranks = dp * cp
+        what = f"dp*cp = {dp}*{cp}" if cp > 1 else f"parallel.dp = {dp}"
+        if not isinstance(shard_size, int) or shard_size < 1 or ranks % shard_size != 0:
+            divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+            raise ValueError(
+                f"parallel.fsdp_shard_size={shard_size!r} must be a positive divisor of {what} (the data-parallel "
+                f"ranks it groups); choose one of {divisors}, or leave it unset to shard over all {ranks}"
+            )
+
+
+def data_parallel_rank_lists(grid: ProcessGrid) -> list[list[int]]:
+    """Every group of ranks that FSDP shards over (dp, or dp x cp when cp > 1), each sorted, in rank order.
+
+    The same list on every rank, so sub-groups made from it are created in the same order everywhere.
+    """
+    d = grid.dims
+    assert d.dp is not None
+    lists = {
+        tuple(sorted(d.rank_of(tp=t, pp=p, dp=i, cp=c) for i in range(d.dp) for c in range(d.cp)))
+        for t in range(d.tp) for p in range(d.pp)
+    }
+    return [list(r) for r in sorted(lists)]
+
+
+def fsdp_mesh(grid: ProcessGrid, shard_size: int | None = None) -> DeviceMesh:
+    """The ``DeviceMesh`` FSDP shards over, built from mg's own process groups.
+
+    Full sharding: a 1-D mesh ``("dp_shard",)`` on ``grid.dp_group`` (``grid.dp_cp_group`` when
+    cp > 1). HSDP (``shard_size=N``): a 2-D mesh ``("dp_replicate", "dp_shard")`` of shape
+    ``(dp*cp/N, N)``: consecutive runs of N data-parallel ranks shard, ranks N apart replicate. The
+    HSDP sub-groups are created here with ``dist.new_group``, collectively on every rank in the
+    same order, so every rank must call this (and :func:`apply_fsdp`) the same number of times.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialised, or ``shard_size`` does not divide dp*cp.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "FSDP needs torch.distributed initialised, even for one process; launch with torchrun "
+            "(torchrun --nproc-per-node 1 for a single rank)"
+        )
+    check_fsdp(grid, shard_size=shard_size)
+    device_type = grid.device.type
+    group = grid.dp_cp_group if grid.cp_size > 1 else grid.dp_group
+    assert group is not None
+    ranks = grid.dp_size * grid.cp_size
+    if shard_size is None or shard_size == ranks:
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+    mine = next(r for r in data_parallel_rank_lists(grid) if grid.rank in r)
+    lists = data_parallel_rank_lists(grid)
+    shard_group = replicate_group = None
+    # new_group is collective over the default group: every rank creates every sub-group, in order.
+    for ranks_list in lists:
+        for i in range(0, len(ranks_list), shard_size):
+            g = dist.new_group(ranks_list[i : i + shard_size])
+            if grid.rank in ranks_list[i : i + shard_size]:
+                shard_group = g
+    for ranks_list in lists:
+        for j in range(shard_size):
+            g = dist.new_group(ranks_list[j::shard_size])
+            if grid.rank in ranks_list[j::shard_size]:
+                replicate_group = g
+    layout = torch.tensor(mine, dtype=torch.int).view(-1, shard_size)  # (replicate, shard)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, layout, mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of every outermost ``nn.ModuleList`` in ``model`` (its transformer layers)."""
+    out: list[nn.Module] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, nn.ModuleList):
+            inside.append(name)
+            out.extend(module)
+    return out
+
+
+def apply_fsdp(
+    model: nn.Module,
+    grid: ProcessGrid,
+    precision: Precision | str = "fp32",
+    *,
+    shard_size: int | None = None,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+    blocks: Sequence[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the grid's data-parallel ranks, block by block, then the root.
+
+    Each block (``blocks``, or else every child of every outermost ``nn.ModuleList`` in ``model``,
+    i.e. the transformer layers) becomes one FSDP unit whose parameters are all-gathered before its
+    forward and backward and reduce-scattered after its backward; the root unit holds the rest
+    (embeddings, final norm, output head, and a tied output weight together with its embedding).
+    Each parameter is split along dim 0 over the data-parallel ranks (uneven sizes are padded);
+    tensor-parallel shards of mg's layers are split further, each tp rank on its own dp group.
+    Parameters become ``DTensor`` s (``param.to_local()`` is this rank's shard) and keep mg's tags
+    (``tensor_parallel``, ``partition_dim``, ``sequence_parallel``, ``shared_embedding``).
+
+    Args:
+        model: the full (unsharded) model in the policy's main dtype (fp32), on ``grid.device``.
+            Build it identically on every rank; it is sharded in place.
+        grid: the process grid; FSDP runs over ``dp_group`` (``dp_cp_group`` when cp > 1).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (or a :class:`~mg_parallel.precision.Precision`):
+            parameters are all-gathered and computed in its compute dtype; gradients are
+            reduced and accumulated in its grad-reduce dtype (fp32). fp16 needs a loss scaler in
+            the training loop (not provided here).
+        shard_size: HSDP: shard over groups of this many data-parallel ranks, replicate across
+            groups (see :func:`fsdp_mesh`); None shards over all of them.
+        offload: keep sharded parameters, gradients and optimizer state on the CPU
+            (``CPUOffloadPolicy``; the optimizer step then runs on the CPU). On a CPU-only grid
+            everything already lives there, so this changes no placement.
+        reshard_after_forward: free the gathered parameters after each block's forward (gathered
+            again for backward; ZeRO-3). False keeps them until backward (ZeRO-2-like, more memory).
+        blocks: the modules to shard as separate units, instead of the ``ModuleList`` rule.
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule`` (``set_requires_gradient_sync`` etc. available).
+
+    Raises:
+        ValueError: torch.distributed is not initialised, ``shard_size`` does not divide dp*cp,
+            or the model's floating-point parameters are not in the policy's main dtype.
+    """
+    policy = Precision.resolve(precision)
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != policy.main_param_dtype:
+            raise ValueError(
+                f"parameter {name!r} is {p.dtype}, but apply_fsdp keeps the sharded parameters as the "
+                f"{policy.name} policy's main parameters ({policy.main_param_dtype}) and casts to "
+                f"{policy.compute_dtype} only for compute; do not cast the model before apply_fsdp"
+            )
+    mesh = fsdp_mesh(grid, shard_size)
+    low = policy.compute_dtype != policy.main_param_dtype
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=policy.compute_dtype if low else None,
+        reduce_dtype=policy.grad_reduce_dtype if low else None,
+    )
+    offload_policy = CPUOffloadPolicy(pin_memory=grid.device.type == "cuda") if offload else OffloadPolicy()
+    tags = {name: {k: getattr(p, k) for k in _PARAM_TAGS if hasattr(p, k)} for name, p in model.named_parameters()}
+    units = list(blocks) if blocks is not None else _blocks(model)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for i, block in enumerate(units):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(units) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    for name, p in model.named_parameters():
+        for k, v in tags.get(name, {}).items():
+            setattr(p, k, v)
+    return model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(*models: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally, without FSDP's reduce-scatter, inside the block.
+
+    Use it for every micro-batch but the last; the last backward (outside the block) reduces the
+    accumulated unsharded gradients once::
+
+        for i, micro in enumerate(micro_batches):
+            with no_gradient_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                (model(micro) / len(micro_batches)).backward()
+
+    ``models`` are FSDP-sharded models (:func:`apply_fsdp`); others are ignored. Unsharded gradients
+    are held between micro-batches (the memory of one unsharded copy of the gradients).
+    """
+    fsdp = [m for m in models if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        m.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for m in fsdp:
+            m.set_requires_gradient_sync(True)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor``, else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _replica_rank(t: torch.Tensor) -> int:
+    """This rank's index along the replicate dimensions of a DTensor's mesh (0 when none)."""
+    if not isinstance(t, DTensor):
+        return 0
+    index = 0
+    for dim, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            index = index * t.device_mesh.size(dim) + t.device_mesh.get_local_rank(dim)
+    return index
+
+
+def fsdp_grad_norm(models: Iterable[nn.Module], grid: ProcessGrid) -> float:
+    """Global L2 norm of the gradients of FSDP-sharded ``models``, each element counted once.
+
+    A collective over all ranks. Every rank sums the squares of its local gradient shards that
+    count: data-parallel shards are disjoint (all count; under HSDP only replicate index 0 does),
+    tensor-parallel shards are distinct (all count), tp-replicated parameters count on tp rank 0
+    and a pipeline-tied embedding on the first stage (the rules of
+    :func:`mg_parallel.optimizer.clip.counts_in_norm`); the sum runs over the world.
+
+    Raises:
+        ValueError: at tp > 1 a parameter has no tensor-parallel tag.
+    """
+    grads, counted = _counted_grads(models, grid)
+    return global_grad_norm(grads, counted, grid, sharded_over_dp=True)
+
+
+def clip_fsdp_grads(models: Iterable[nn.Module], grid: ProcessGrid, max_norm: float) -> float:
+    """Clip the gradients of ``models`` to global norm ``max_norm`` (torch's rule); returns the norm.
+
+    The norm is :func:`fsdp_grad_norm`; every local shard is scaled by
+    ``min(1, max_norm / (norm + 1e-6))``. A collective over all ranks.
+    """
+    grads, counted = _counted_grads(models, grid)
+    norm = global_grad_norm(grads, counted, grid, sharded_over_dp=True)
+    clip_grads(grads, norm, max_norm)
+    return norm
+
+
+def _counted_grads(models: Iterable[nn.Module], grid: ProcessGrid) -> tuple[list[torch.Tensor], list[bool]]:
+    grads, counted = [], []
+    seen: set[int] = set()
+    for model in models:
+        for name, p in model.named_parameters():
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            grads.append(local_tensor(p.grad))
+            counted.append(_replica_rank(p.grad) == 0 and counts_in_norm(p, grid, sharded_over_dp=True, name=name))
+    return grads, counted
+
+
+def finalize_fsdp_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
+    """Finish gradients that FSDP's reduce-scatter over dp does not: sequence parallelism and tied stages.
+
+    Call after the last backward of a step (pass it as a pipeline schedule's ``finalize_grads``).
+    Every tp (and pipeline) peer shards a parameter the same way over its own dp group, so the
+    local shards line up and are summed directly:
+
+    * ``sequence_parallel`` parameters: partial gradients summed over ``grid.tp_group``;
+    * ``shared_embedding`` parameters with pp > 1: summed over ``grid.embedding_group`` (first and
+      last stage).
+    """
+    params = []
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if grid.tp_size > 1:
+        all_reduce_coalesced([local_tensor(p.grad) for p in params if getattr(p, "sequence_parallel", False)],
+                             grid.tp_group)
+    if grid.embedding_group is not None and (grid.is_first_stage or grid.is_last_stage):
+        all_reduce_coalesced([local_tensor(p.grad) for p in params if getattr(p, "shared_embedding", False)],
+                             grid.embedding_group)
+
+
+def memory_bytes(models: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, from their tensor storages.
+
+    Each storage is counted once (tied parameters, views of one buffer), at its current size: a
+    storage FSDP has freed (resized to 0 after resharding) counts 0. DTensors count their local
+    shard, padding included.
+
+    Returns:
+        ``{"params": int, "grads": int, "optimizer": int, "total": int}`` in bytes.
+    """
+    seen: set[tuple[int, int]] = set()
+
+    def count(tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = local_tensor(t).untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
+    params = [p for m in models for p in m.parameters()]
+    out = {"params": count(params), "grads": count(p.grad for p in params if p.grad is not None)}
+    state = optimizer.state.values() if optimizer is not None else []
+    out["optimizer"] = count(v for s in state for v in s.values() if isinstance(v, torch.Tensor))
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
