@@ -108,7 +108,7 @@ def _check_all(cp: int) -> int:
     for comm in ("p2p", "allgather", "a2a"):
         for case in _cases():
             checked += _check_case(group, cp, rank, comm, case, gen)
-    for case in list(_cases())[:3]:  # the plain-torch kernel on blocks the CPU flash kernel would take
+    for case in list(_cases())[1:4]:  # the plain-torch kernel (CUDA's today): GQA, window, documents
         checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference")
     for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
         checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
@@ -154,7 +154,8 @@ def test_masks_and_kernel_names():
     assert m[3].tolist() == [False, False, True, True, False, False]
     assert attention_mask(pos, pos, causal=False, window=None) is None
     assert block_attention_impl("cpu", torch.float32, "causal") == "flash-cpu"
-    assert block_attention_impl("cpu", torch.float32, "masked") == "reference"
+    assert block_attention_impl("cpu", torch.float32, "masked") == "flash-cpu"
+    assert block_attention_impl("cpu", torch.float64, "causal") == "reference"
 
 
 def test_ring_steps_are_balanced_and_windows_skip_blocks():

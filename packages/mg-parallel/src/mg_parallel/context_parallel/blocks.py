@@ -19,10 +19,10 @@ Layout: ``q [b, hq, sq, d]``, ``k, v [b, hkv, sk, d]`` with ``hq`` a multiple of
 Implementations (:func:`block_attention_impl` names the one chosen):
 
 * ``"flash-cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which
-  return the log-sum-exp; used on the CPU for ``"full"`` and ``"causal"`` blocks.
-* ``"reference"``: plain torch in fp32 (scores materialised); used for ``"masked"`` blocks and on
-  devices without a kernel exposing the log-sum-exp (CUDA included: its flash kernel is not wired
-  here yet).
+  return the log-sum-exp; used on the CPU. A ``"masked"`` block passes its mask as an additive
+  ``-inf`` bias; the kernel reports ``lse = 0`` for a row that sees no key, which is set to ``-inf``.
+* ``"reference"``: plain torch in fp32 (scores materialised); used on devices without a kernel
+  exposing the log-sum-exp (CUDA included: its flash kernel is not wired here yet).
 """
 
 from __future__ import annotations
@@ -42,10 +42,17 @@ def block_attention_impl(device: torch.device | str, dtype: torch.dtype, kind: s
 
     ``"flash-cpu"`` or ``"reference"`` (see the module docstring); print it on a start line.
     """
-    device = torch.device(device)
-    if kind != "masked" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+    del kind  # every kind has the same kernel today; kept so a future kernel can differ per kind
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "flash-cpu"
     return "reference"
+
+
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # [b|1, sq, sk] bool -> additive [b|1, 1, sq, sk] bias in the kernel's dtype.
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, _NEG_INF)[:, None]
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -92,11 +99,15 @@ def block_forward(
     """
     impl = impl or block_attention_impl(q.device, q.dtype, kind)
     groups = q.shape[1] // k.shape[1]
-    if impl == "flash-cpu" and kind != "masked":
+    if impl == "flash-cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, kind == "causal", scale=scale
+            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, kind == "causal",
+            attn_mask=_bias(mask, q.dtype) if kind == "masked" else None, scale=scale,
         )
-        return out.float(), lse.float()
+        lse = lse.float()
+        if kind == "masked":  # rows that see no key: the kernel says lse 0, the merge needs -inf
+            lse = lse.masked_fill(~mask.any(-1)[:, None], _NEG_INF)
+        return out.float(), lse
     b, hq, sq, d = q.shape
     s = _scores(q, k, kind, mask, scale)
     lse = s.logsumexp(-1)
@@ -121,10 +132,10 @@ def block_backward(
     """
     impl = impl or block_attention_impl(q.device, q.dtype, kind)
     groups = q.shape[1] // k.shape[1]
-    if impl == "flash-cpu" and kind != "masked":
+    if impl == "flash-cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, _expand_kv(k, groups), _expand_kv(v, groups), out.to(q.dtype), lse, 0.0,
-            kind == "causal", scale=scale,
+            kind == "causal", attn_mask=_bias(mask, q.dtype) if kind == "masked" else None, scale=scale,
         )
         return dq.float(), _reduce_kv(dk.float(), groups), _reduce_kv(dv.float(), groups)
     b, hq, sq, d = q.shape
