@@ -184,6 +184,10 @@ def test_bad_options_name_the_field():
         context_parallel_attention(q, q, q, group=None, comm="x")
     with pytest.raises(ValueError, match="window must be >= 1"):
         context_parallel_attention(q, q, q, group=None, window=0)
+    with pytest.raises(ValueError, match="impl='cuda' is not a block kernel"):
+        context_parallel_attention(q, q, q, group=None, impl="cuda")
+    with pytest.raises(ValueError, match="document_ids must be"):
+        context_parallel_attention(q, q, q, group=None, document_ids=torch.zeros(1, 3, dtype=torch.long))
 
 
 def _fail_mid_ring() -> None:

@@ -110,7 +110,7 @@ def context_parallel_attention(
         ``[b, hq, s/cp, d]`` in ``q``'s dtype. No dropout.
 
     Raises:
-        ValueError: unknown ``comm`` (naming ``parallel.cp_comm``), bad shapes, ``window < 1``, or
+        ValueError: unknown ``comm`` (naming ``parallel.cp_comm``), bad shapes, ``window < 1``, unknown ``impl``, or
             ``a2a`` with heads not divisible by cp (naming ``parallel.cp`` and the head counts).
     """
     check_cp_comm(comm)
@@ -121,6 +121,8 @@ def context_parallel_attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be >= 1 token (or None), got {window}")
+    if impl not in (None, "flash-cpu", "reference"):
+        raise ValueError(f"impl={impl!r} is not a block kernel; use None (automatic), 'flash-cpu' or 'reference'")
     if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"document_ids must be [b, s/cp] = {[q.shape[0], q.shape[2]]}, got "
                          f"{list(document_ids.shape)}")
