@@ -47,9 +47,13 @@ class ContextParallelConfig:
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
            scale: float) -> torch.Tensor:
-    # One SDPA call over whole (gathered) sequences; the mask gets a head dim to broadcast over.
+    # One SDPA call over whole (gathered) sequences; the mask gets a head dim to broadcast over. K/V
+    # heads are repeated for GQA here rather than by SDPA's enable_gqa, which torch < 2.5 lacks.
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
-                                          is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                                          is_causal=is_causal, scale=scale)
 
 
 def _natural_attention(q, k, v, causal, window, docs, scale):  # noqa: ANN001, ANN202
