@@ -65,12 +65,14 @@ def _cases():
     yield dict(causal=True, hq=4, hkv=4, window=3, docs=True)
 
 
-def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32):
+def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32, device="cpu"):
+    """Reference on the CPU; the ranks compute on ``device`` (the grid's: CUDA under NCCL)."""
     s = 8 * cp
     hq, hkv, causal, window = case["hq"], case["hkv"], case["causal"], case["window"]
     if comm == "a2a" and (hq % cp or hkv % cp):
         with pytest.raises(ValueError, match=rf"parallel.cp={cp}.*{hq} heads and {hkv} kv heads"):
-            context_parallel_attention(torch.zeros(B, hq, s // cp, D), *[torch.zeros(B, hkv, s // cp, D)] * 2,
+            context_parallel_attention(torch.zeros(B, hq, s // cp, D, device=device),
+                                       *[torch.zeros(B, hkv, s // cp, D, device=device)] * 2,
                                        group=group, comm=comm)
         return 0
     q, k, v = torch.randn(B, hq, s, D, generator=gen), *torch.randn(2, B, hkv, s, D, generator=gen)
@@ -81,22 +83,22 @@ def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32
     ref = _reference(*full, causal, window, docs, scale)
     ref.backward(dout)
 
-    local = [split_for_cp(t, rank, cp, seq_dim=2).to(dtype).requires_grad_(True) for t in (q, k, v)]
+    local = [split_for_cp(t, rank, cp, seq_dim=2).to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     if case.get("strided"):
         local = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in local]
         assert not local[0].is_contiguous()
-    local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1)
+    local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1).to(device)
     out = context_parallel_attention(*local, group=group, comm=comm, causal=causal, window=window,
                                      document_ids=local_docs, scale=scale, impl=impl)
-    out.backward(split_for_cp(dout, rank, cp, seq_dim=2).to(dtype))
+    out.backward(split_for_cp(dout, rank, cp, seq_dim=2).to(device, dtype))
     what = f"cp={cp} rank={rank} comm={comm} impl={impl} {dtype} {case}"
     tol = TOL if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
     assert out.dtype == dtype and all(t.grad.dtype == dtype for t in local)
-    assert_close(out.float(), split_for_cp(ref.detach(), rank, cp, 2), **tol, msg=lambda m: f"{what} out: {m}")
+    assert_close(out.float().cpu(), split_for_cp(ref.detach(), rank, cp, 2), **tol, msg=lambda m: f"{what} out: {m}")
     for name, mine, whole in zip("qkv", local, full):
-        assert_close(mine.grad.float(), split_for_cp(whole.grad, rank, cp, 2), **tol,
+        assert_close(mine.grad.float().cpu(), split_for_cp(whole.grad, rank, cp, 2), **tol,
                      msg=lambda m, n=name: f"{what} d{n}: {m}")
-    assert_close(gather_from_cp(out.detach().float(), group, seq_dim=2), ref.detach(), **tol)
+    assert_close(gather_from_cp(out.detach().float(), group, seq_dim=2).cpu(), ref.detach(), **tol)
     return 1
 
 
@@ -107,12 +109,12 @@ def _check_all(cp: int) -> int:
     checked = 0
     for comm in ("p2p", "allgather", "a2a"):
         for case in _cases():
-            checked += _check_case(group, cp, rank, comm, case, gen)
+            checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device)
     for case in list(_cases())[1:4]:  # the plain-torch kernel (CUDA's today): GQA, window, documents
-        checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference")
+        checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference", device=grid.device)
     for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
         checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
-                               dtype=torch.bfloat16)
+                               dtype=torch.bfloat16, device=grid.device)
     return checked
 
 
@@ -205,7 +207,7 @@ def _fail_mid_ring() -> None:
     blocks.block_forward = flaky
     try:
         grid = build_grid(ParallelDims(cp=WORLD))
-        q = torch.randn(1, 4, 8, D, requires_grad=True)
+        q = torch.randn(1, 4, 8, D, device=grid.device, requires_grad=True)
         context_parallel_attention(q, q, q, group=grid.cp_group, comm="p2p", causal=False).sum().backward()
         dist.barrier(group=grid.cp_group)
     finally:

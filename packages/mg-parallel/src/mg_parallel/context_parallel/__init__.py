@@ -5,7 +5,7 @@ The sequence is cut into ``2 * cp`` chunks and rank ``r`` holds chunks ``r`` and
 attention over the whole sequence with one of three communication schemes (``parallel.cp_comm``):
 
 * ``"p2p"``: ring attention, K/V blocks passed around the ring overlapped with compute (:mod:`.ring`);
-* ``"allgather"``: K/V all-gathered, any mask;
+* ``"allgather"``: K/V all-gathered once, then the ring's blocks and masks (:mod:`.allgather`);
 * ``"a2a"``: Ulysses all-to-all, sequence split traded for a head split around attention.
 
 See ``packages/mg-parallel/README.md`` ("Context parallelism").
