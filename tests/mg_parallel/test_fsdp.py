@@ -2,6 +2,8 @@
 accumulation, clipping, a tied embedding, CPU offload, a schedule driving the micro-batches), memory per rank,
 and the configuration errors."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,11 @@ from mg_parallel.distributed import (
     no_gradient_sync,
 )
 from mg_parallel.grid import ParallelDims, build_grid
-from mg_parallel.pipeline import forward_backward_no_pipelining
+from mg_parallel.pipeline import forward_backward_1f1b, forward_backward_no_pipelining
 from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_replicated
 from mg_parallel.testing import run_distributed
 
-V, H, FFN, LAYERS, S, B = 32, 16, 64, 3, 4, 8
+V, H, FFN, LAYERS, S, B = 32, 16, 64, 2, 4, 8
 LR, WD, CLIP, STEPS, TOL = 1e-2, 0.1, 0.5, 5, 2e-5
 
 
@@ -88,20 +90,27 @@ def reference(tied: bool = True, clip: float = CLIP) -> list[dict[str, torch.Ten
     return out
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers: bool = True,
+               shard_size: int | None = None, micro: int = 2, tied: bool = True, clip: float = CLIP,
+               offload: bool = False, schedule: bool = False, reshard_after_forward: bool = True) -> float:
+    """Train under apply_fsdp on this rank's share of each batch (``micro`` micro-batches); returns the largest
+    difference of this rank's parameter shards from the reference's after any step.
 
-
-def train_fsdp(dp: int, *, tp: int = 1, shard_size: int | None = None, micro: int = 2, tied: bool = True,
-               clip: float = CLIP, offload: bool = False, schedule: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Train under apply_fsdp on this rank's share of each batch; returns the tp-local full parameters per step."""
+    ``split_layers=False`` builds plain (unsplit) layers at tp > 1: every tp rank then trains its own dp
+    replica, and the grad norm must count each of its parameters once.
+    """
     grid = build_grid(ParallelDims(tp=tp))
-    assert grid.dp_size == dp
-    model = apply_fsdp(Net(grid.tp_group, tied), grid, "fp32", shard_size=shard_size, offload=offload)
+    model = Net(grid.tp_group if split_layers else None, tied)
+    if not split_layers:
+        for p in model.parameters():
+            p.tensor_parallel = False
+    model = apply_fsdp(model, grid, "fp32", shard_size=shard_size, offload=offload,
+                       reshard_after_forward=reshard_after_forward)
     opt = adamw(model)
-    per_rank = B // dp
-    out = []
-    for tokens, target in batches():
+    per_rank = B // grid.dp_size
+    tp_split = (grid.tp_size, grid.tp_rank) if split_layers else (1, 0)
+    err = 0.0
+    for (tokens, target), ref in zip(batches(), want, strict=True):
         opt.zero_grad()
         mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
         micros = list(zip(tokens[mine].chunk(micro), target[mine].chunk(micro)))
@@ -110,30 +119,97 @@ def train_fsdp(dp: int, *, tp: int = 1, shard_size: int | None = None, micro: in
                                            micro, grid, tensor_shape=(1,), finalize_grads=finalize_fsdp_grads)
         else:
             for i, (x, t) in enumerate(micros):
-                with no_gradient_sync(model) if i < micro - 1 else torch.enable_grad():
+                with no_gradient_sync(model) if i < micro - 1 else contextlib.nullcontext():
                     (model(x, t) / micro).backward()
         if clip:
             clip_fsdp_grads([model], grid, clip)
         opt.step()
-        out.append({n: _full(p) for n, p in model.named_parameters()})
-    return out
+        err = max(err, shard_error(model.named_parameters(), ref, tp_split, set(ref)))
+    return err
 
 
-def _tp_slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    dim = 0 if ".fc1." in name else 1 if name.endswith("fc2.weight") else None
-    if tp == 1 or dim is None:
-        return full
-    n = full.shape[dim] // tp
-    return full.narrow(dim, tp_rank * n, n)
+def shard_error(named_params, ref: dict[str, torch.Tensor], tp_split: tuple[int, int], names: set[str],
+                rename=lambda n: n) -> float:
+    """Largest |local shard - the same slice of the reference| over ``named_params`` (DTensors), whose
+    (renamed) names must be exactly ``names``; ``tp_split`` = (tp, tp_rank) of mg's column/row layers."""
+    err, seen = 0.0, set()
+    for name, p in named_params:
+        name = rename(name)
+        seen.add(name)
+        full = ref[name]
+        dim = 0 if ".fc1." in name else 1 if name.endswith("fc2.weight") else None
+        if dim is not None and tp_split[0] > 1:
+            full = full.chunk(tp_split[0], dim)[tp_split[1]]
+        for mesh_dim, placement in enumerate(p.placements):
+            if placement.is_shard():
+                full = full.chunk(p.device_mesh.size(mesh_dim), placement.dim)[p.device_mesh.get_local_rank(mesh_dim)]
+        local = p.to_local().detach()
+        assert local.shape == full.shape, (name, local.shape, full.shape)
+        err = max(err, float((local - full).abs().max()))
+    assert seen == names, sorted(seen ^ names)
+    return err
 
 
-def _max_error(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]], tp: int = 1,
-               tp_rank: int = 0) -> float:
+class Stage(nn.Module):
+    """Pipeline stage ``pp_rank`` of 2 cut from a Net: the first holds the embedding and layer 0, the last the
+    other layers, the norm and the head, whose weight is a copy of the embedding (``shared_embedding``)."""
+
+    def __init__(self, pp_rank: int) -> None:
+        super().__init__()
+        net = Net(tied=False)
+        self.first = pp_rank == 0
+        if self.first:
+            self.emb, self.layers = net.emb, net.layers[:1]
+            self.emb.weight.shared_embedding = True
+        else:
+            self.layers, self.norm, self.head = net.layers[1:], net.norm, net.head
+            with torch.no_grad():
+                self.head.weight.copy_(net.emb.weight)
+            self.head.weight.shared_embedding = True
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens) if self.first else self.input_tensor
+        for layer in self.layers:
+            x = layer(x)
+        return x if self.first else self.head(self.norm(x))
+
+
+def train_pipeline(want: list[dict[str, torch.Tensor]], micro: int = 2) -> float:
+    """pp2 x dp2: each stage FSDP-sharded over its dp pair (kept gathered between forward and backward), driven
+    by the 1F1B schedule; returns the largest difference of this rank's shards from the reference's."""
+    grid = build_grid(ParallelDims(pp=2))
+    model = apply_fsdp(Stage(grid.pp_rank), grid, reshard_after_forward=False)
+    opt = adamw(model)
+    per_rank = B // grid.dp_size
+    offset = 0 if grid.is_first_stage else 1  # the last stage's layers[i] is the reference's layers[i + 1]
+
+    def rename(n: str) -> str:
+        if n.startswith("layers."):
+            i, rest = n.split(".", 2)[1:]
+            return f"layers.{int(i) + offset}.{rest}"
+        return n.replace("head.weight", "emb.weight")  # tied: the last stage's head is the embedding
+
+    def forward_step(batch, model):
+        tokens, target = batch
+        return model(tokens), lambda logits: (F.cross_entropy(logits.flatten(0, 1), target.flatten()), {})
+
+    names = {rename(n) for n, _ in model.named_parameters()}
+    assert names == ({"emb.weight"} | {n for n in want[0] if n.startswith("layers.0.")} if grid.is_first_stage
+                     else set(want[0]) - {n for n in want[0] if n.startswith("layers.0.")})
     err = 0.0
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys()
-        for name in w:
-            err = max(err, float((g[name] - _tp_slice(name, w[name], tp, tp_rank)).abs().max()))
+    for (tokens, target), ref in zip(batches(), want, strict=True):
+        opt.zero_grad()
+        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        micros = zip(tokens[mine].chunk(micro), target[mine].chunk(micro))
+        forward_backward_1f1b(forward_step, micros, model, micro, grid, tensor_shape=(per_rank // micro, S, H),
+                              finalize_grads=finalize_fsdp_grads)
+        clip_fsdp_grads([model], grid, CLIP)
+        opt.step()
+        err = max(err, shard_error(model.named_parameters(), ref, (1, 0), names, rename))
     return err
 
 
@@ -153,35 +229,22 @@ def memory_ratio() -> float:
     return sizes[1] / sizes[0]
 
 
-def cases_dp2() -> dict[str, float]:
-    want = reference()
+def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Every multi-process case on a world of 4 (one pool): parameter errors, and the memory ratio."""
     return {
-        "dp2": _max_error(train_fsdp(2), want),
-        "dp2 offload": _max_error(train_fsdp(2, offload=True), want),
-        "dp2 schedule": _max_error(train_fsdp(2, schedule=True), want),
-        "dp2 untied, no clip": _max_error(train_fsdp(2, tied=False, clip=0.0), reference(tied=False, clip=0.0)),
-    }
-
-
-def cases_dp4() -> dict[str, float]:
-    grid = build_grid(ParallelDims(tp=2))
-    want = reference()
-    return {
-        "dp4": _max_error(train_fsdp(4), want),
-        "hsdp 2x2": _max_error(train_fsdp(4, shard_size=2), want),
-        "tp2 x dp2": _max_error(train_fsdp(2, tp=2), want, tp=2, tp_rank=grid.tp_rank),
+        "dp2": train_fsdp(tied_ref, tp=2, split_layers=False),
+        "dp2 untied, offload, no_pipelining schedule": train_fsdp(
+            untied_ref, tp=2, split_layers=False, tied=False, offload=True, schedule=True),
+        "dp4": train_fsdp(tied_ref),
+        "hsdp 2x2, no reshard after forward": train_fsdp(tied_ref, shard_size=2, reshard_after_forward=False),
+        "tp2 x dp2": train_fsdp(tied_ref, tp=2),
+        "pp2 x dp2 1f1b": train_pipeline(tied_ref),
         "memory dp4/dp1": memory_ratio(),
     }
 
 
-def test_fsdp_dp2_parity():
-    for rank, errors in enumerate(run_distributed(cases_dp2, 2)):
-        for case, err in errors.items():
-            assert err < TOL, f"rank {rank} {case}: max |param - reference| = {err:.2e}"
-
-
-def test_fsdp_dp4_hsdp_tp_parity_and_memory():
-    for rank, results in enumerate(run_distributed(cases_dp4, 4, timeout=300)):
+def test_fsdp_parity_and_memory():
+    for rank, results in enumerate(run_distributed(cases, 4, reference(), reference(tied=False), timeout=300)):
         ratio = results.pop("memory dp4/dp1")
         assert abs(ratio - 0.25) < 0.25 * 0.05, f"rank {rank}: dp4 holds {ratio:.3f} of dp1's bytes"
         for case, err in results.items():
