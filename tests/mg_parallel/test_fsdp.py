@@ -229,6 +229,20 @@ def memory_ratio() -> float:
     return sizes[1] / sizes[0]
 
 
+def bf16_loss_error() -> float:
+    """apply_fsdp(..., "bf16"): computes in bf16 while parameters and gradients stay fp32 shards; returns
+    |loss - fp32 loss| on this rank's rows of one batch."""
+    grid = build_grid(ParallelDims())
+    tokens, target = (t.chunk(grid.dp_size)[grid.dp_rank] for t in batches(1)[0])
+    want = Net()(tokens, target)
+    model = apply_fsdp(Net(), grid, "bf16")
+    loss = model(tokens, target)
+    loss.backward()
+    assert loss.dtype == torch.bfloat16
+    assert {(p.to_local().dtype, p.grad.to_local().dtype) for p in model.parameters()} == {(torch.float32,) * 2}
+    return abs(float(loss.float() - want))
+
+
 def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Every multi-process case on a world of 4 (one pool): parameter errors, and the memory ratio."""
     return {
@@ -240,12 +254,14 @@ def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, to
         "tp2 x dp2": train_fsdp(tied_ref, tp=2),
         "pp2 x dp2 1f1b": train_pipeline(tied_ref),
         "memory dp4/dp1": memory_ratio(),
+        "bf16 loss": bf16_loss_error(),
     }
 
 
 def test_fsdp_parity_and_memory():
     for rank, results in enumerate(run_distributed(cases, 4, reference(), reference(tied=False), timeout=300)):
-        ratio = results.pop("memory dp4/dp1")
+        ratio, bf16 = results.pop("memory dp4/dp1"), results.pop("bf16 loss")
+        assert 0 < bf16 < 0.05, f"rank {rank}: bf16 loss differs from fp32 by {bf16}"
         assert abs(ratio - 0.25) < 0.25 * 0.05, f"rank {rank}: dp4 holds {ratio:.3f} of dp1's bytes"
         for case, err in results.items():
             assert err < TOL, f"rank {rank} {case}: max |param - reference| = {err:.2e}"
@@ -271,3 +287,6 @@ def test_apply_fsdp_errors():
         apply_fsdp(Net(), ProcessGrid.single(torch.device("cpu")))
     with pytest.raises(ValueError, match=r"'emb.weight' is torch.bfloat16.*do not cast the model"):
         apply_fsdp(Net().to(torch.bfloat16), ProcessGrid.single(torch.device("cpu")), "bf16")
+    net = Net()
+    with pytest.raises(ValueError, match=r"'head.weight' is the same tensor as 'emb.weight'.*different FSDP units"):
+        apply_fsdp(net, ProcessGrid.single(torch.device("cpu")), blocks=[net.head])

@@ -170,6 +170,30 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _check_units(model: nn.Module, units: list[nn.Module]) -> None:
+    """Raise ValueError when a parameter (a tied weight) would belong to two FSDP units.
+
+    FSDP2 itself only finds out in the first forward ("shared with a parameter already managed by
+    another FSDP group"); this names the parameter and the fix before anything is sharded.
+    """
+    unit_of: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for module in unit.modules():
+            unit_of[id(module)] = i
+    owner: dict[int, tuple[int, str]] = {}
+    for module_name, module in model.named_modules():
+        u = unit_of.get(id(module), -1)  # -1: the root unit
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if owner.setdefault(id(p), (u, full))[0] != u:
+                first = owner[id(p)][1]
+                raise ValueError(
+                    f"parameter {full!r} is the same tensor as {first!r}, but they would be sharded in different "
+                    f"FSDP units (tied weights must be gathered together); keep both modules out of `blocks` "
+                    f"so the root unit holds them, or put the modules sharing it in one block"
+                )
+
+
 def apply_fsdp(
     model: nn.Module,
     grid: ProcessGrid,
@@ -213,7 +237,8 @@ def apply_fsdp(
 
     Raises:
         ValueError: torch.distributed is not initialised, ``shard_size`` does not divide dp*cp,
-            or the model's floating-point parameters are not in the policy's main dtype.
+            the model's floating-point parameters are not in the policy's main dtype, or a tied
+            parameter would be split between two units (tied weights must stay in one unit).
     """
     policy = Precision.resolve(precision)
     for name, p in model.named_parameters():
@@ -223,6 +248,8 @@ def apply_fsdp(
                 f"{policy.name} policy's main parameters ({policy.main_param_dtype}) and casts to "
                 f"{policy.compute_dtype} only for compute; do not cast the model before apply_fsdp"
             )
+    units = list(blocks) if blocks is not None else _blocks(model)
+    _check_units(model, units)
     mesh = fsdp_mesh(grid, shard_size)
     low = policy.compute_dtype != policy.main_param_dtype
     mp_policy = MixedPrecisionPolicy(
@@ -231,7 +258,6 @@ def apply_fsdp(
     )
     offload_policy = CPUOffloadPolicy(pin_memory=grid.device.type == "cuda") if offload else OffloadPolicy()
     tags = {name: {k: getattr(p, k) for k in _PARAM_TAGS if hasattr(p, k)} for name, p in model.named_parameters()}
-    units = list(blocks) if blocks is not None else _blocks(model)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for i, block in enumerate(units):
         # The last block's parameters are needed again at once by backward: keep them gathered.
