@@ -168,12 +168,35 @@ def test_ring_steps_are_balanced_and_windows_skip_blocks():
     for rank in range(cp):
         for i in range(cp):
             blocks = step_blocks(rank, (rank - i) % cp, cp, 2 * c, causal=True, window=None)
-            area = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _, _ in blocks)
+            area = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in blocks)
             assert area == (4 if i == 0 else 2) * c * c, (rank, i, blocks)
-            assert [kind for _, _, kind, _ in blocks] == ["causal" if i == 0 else "full"]
+            assert [kind for _, _, kind in blocks] == ["causal" if i == 0 else "full"]
     # Window 2 on chunks of 4: each rank keeps its two diagonal pairs and the neighbouring chunk only.
     kept = [len(step_blocks(0, src, cp, 2 * c, causal=True, window=2)) for src in range(cp)]
     assert kept == [2, 1, 0, 0], kept  # rank 0 holds chunks 0 and 7; chunk 7 also sees chunk 6, on rank 1
+
+
+def test_window_block_kinds_follow_the_positions():
+    """The kinds step_blocks derives from chunk positions agree with the masks the positions give."""
+    from mg_parallel.context_parallel.plan import step_blocks
+
+    cp, c = 3, 4
+    tril = torch.ones(c, c, dtype=torch.bool).tril()
+    for causal in (True, False):
+        for window in (1, 2, 3, 4, 5, 8, 9, 100):
+            for rank in range(cp):
+                for src in range(cp):
+                    q_pos, k_pos = cp_position_ids(2 * c, rank, cp), cp_position_ids(2 * c, src, cp)
+                    kinds = {(qs.start, ks.start): kind for qs, ks, kind in
+                             step_blocks(rank, src, cp, 2 * c, causal=causal, window=window)}
+                    for q0 in (0, c):
+                        for k0 in (0, c):
+                            m = attention_mask(q_pos[q0 : q0 + c], k_pos[k0 : k0 + c], causal=causal,
+                                               window=window)[0]
+                            kind, where = kinds.get((q0, k0)), (causal, window, rank, src, q0, k0)
+                            assert (kind is None) == (not m.any()) and (kind == "full") == bool(m.all()), where
+                            assert kind != "causal" or torch.equal(m, tril), where  # else "masked" is exact
+                            assert kind != "masked" or (m.any() and not m.all()), where
 
 
 def test_bad_options_name_the_field():

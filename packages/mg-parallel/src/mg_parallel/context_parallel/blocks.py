@@ -167,9 +167,11 @@ def attend_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list, out: torch.Tensor, lse: torch.Tensor, *,
     scale: float, impl: str | None,
 ) -> None:
-    """Attend ``q`` to one K/V block per ``(q slice, k slice, kind, mask)`` of ``blocks`` (slices of
-    the sequence dim) and merge each result into the running fp32 ``out``, ``lse`` in place."""
-    for qs, ks, kind, mask in blocks:
+    """Attend ``q`` to one K/V block per ``(q slice, k slice, kind, mask builder)`` of ``blocks``
+    (:data:`~mg_parallel.context_parallel.plan.Block`) and merge each result into the running fp32
+    ``out``, ``lse`` in place."""
+    for qs, ks, kind, build_mask in blocks:
+        mask = None if build_mask is None else build_mask()
         bo, bl = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind=kind, mask=mask, scale=scale, impl=impl)
         merge_into(out[:, :, qs], lse[:, :, qs], bo, bl)
 
@@ -182,7 +184,8 @@ def attend_blocks_backward(
     """Backward of :func:`attend_blocks`: add every block's contributions to the fp32
     ``grads = (dq, dk, dv)`` (shaped like ``q``, ``k``, ``v``) in place."""
     dq, dk, dv = grads
-    for qs, ks, kind, mask in blocks:
+    for qs, ks, kind, build_mask in blocks:
+        mask = None if build_mask is None else build_mask()
         bdq, bdk, bdv = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
                                        lse[:, :, qs], delta[:, :, qs], kind=kind, mask=mask, scale=scale, impl=impl)
         dq[:, :, qs] += bdq

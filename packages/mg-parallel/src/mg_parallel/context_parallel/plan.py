@@ -9,11 +9,15 @@ holds ``src = (r - i) mod cp``. With the load-balanced layout (rank ``r`` holds 
 * ``src > r``: the last ``c`` queries (chunk ``2cp-1-r``) against all ``2c`` keys, unmasked;
 
 so every step costs ``2c^2`` scores on every rank (the diagonal step half-masked). A sliding window
-cuts blocks into chunk pairs, skips pairs the window leaves empty and masks the rest; document
-ids add a data-dependent mask to every block.
+cuts blocks into chunk pairs, skips pairs the window leaves empty and masks the pairs it cuts;
+document ids mask every block. Which pairs are full, empty or cut follows from the chunks'
+positions alone (no tensor is looked at); a block's boolean mask is built on the device only when
+its kernel runs (and again in backward), so no ``s x s/cp`` mask is kept.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -22,59 +26,71 @@ from mg_parallel.context_parallel.masks import attention_mask
 
 __all__ = ["Block", "build_plan", "step_blocks"]
 
-Block = tuple[slice, slice, str, "torch.Tensor | None"]
+Block = tuple[slice, slice, str, "Callable[[], torch.Tensor] | None"]
+"""``(query slice, key slice, kind, mask builder)``: slices of the local sequence; kind ``"full"``,
+``"causal"`` or ``"masked"``; for ``"masked"``, a function returning the ``[1 or b, sq, sk]`` mask."""
 
 
-def step_blocks(rank: int, src: int, cp: int, local_len: int, causal: bool, window: int | None) -> list[Block]:
-    """The (query slice, key slice, kind, position mask) blocks of the step that holds ``src``'s K/V."""
+def _classify(q_start: int, k_start: int, c: int, causal: bool, window: int | None) -> str | None:
+    # Kind of the pair of chunks starting at global positions q_start, k_start; None when empty.
+    lo, hi = q_start - k_start - (c - 1), q_start - k_start + (c - 1)  # range of i - j over the pair
+    w = float("inf") if window is None else window
+    if causal:
+        if hi < 0 or lo >= w:
+            return None
+        if lo >= 0 and hi < w:
+            return "full"
+        return "causal" if q_start == k_start and c - 1 < w else "masked"
+    if lo >= w or hi <= -w:
+        return None
+    return "full" if max(-lo, hi) < w else "masked"
+
+
+def step_blocks(rank: int, src: int, cp: int, local_len: int, causal: bool, window: int | None) -> list[tuple]:
+    """The ``(query slice, key slice, kind)`` blocks of the step that holds ``src``'s K/V."""
     c = local_len // 2
     every, first, second = slice(0, local_len), slice(0, c), slice(c, local_len)
     if window is None:
         if not causal:
-            return [(every, every, "full", None)]
+            return [(every, every, "full")]
         if src == rank:
-            return [(every, every, "causal", None)]
-        return [(every, first, "full", None)] if src < rank else [(second, every, "full", None)]
-    # A window makes the structure position dependent: classify each pair of chunks on the host.
-    q_pos, k_pos = cp_position_ids(local_len, rank, cp), cp_position_ids(local_len, src, cp)
+            return [(every, every, "causal")]
+        return [(every, first, "full")] if src < rank else [(second, every, "full")]
+    q_starts, k_starts = (rank * c, (2 * cp - 1 - rank) * c), (src * c, (2 * cp - 1 - src) * c)  # of the chunks
     blocks = []
-    for qs in (first, second):
-        for ks in (first, second):
-            mask = attention_mask(q_pos[qs], k_pos[ks], causal=causal, window=window)
-            if not mask.any():
-                continue
-            if mask.all():
-                blocks.append((qs, ks, "full", None))
-            elif torch.equal(mask[0], torch.ones(c, c, dtype=torch.bool).tril()):
-                blocks.append((qs, ks, "causal", None))
-            else:
-                blocks.append((qs, ks, "masked", mask))
+    for qs, q_start in zip((first, second), q_starts):
+        for ks, k_start in zip((first, second), k_starts):
+            kind = _classify(q_start, k_start, c, causal, window)
+            if kind is not None:
+                blocks.append((qs, ks, kind))
     return blocks
-
-
-def _with_documents(blocks: list[Block], q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-                    device: torch.device) -> list[Block]:
-    out = []
-    for qs, ks, kind, mask in blocks:
-        if q_doc is None:
-            out.append((qs, ks, kind, None if mask is None else mask.to(device)))
-            continue
-        doc = q_doc[:, qs, None] == k_doc[:, None, ks]  # [b, sq, sk]
-        if kind == "causal":
-            doc = doc & torch.ones(doc.shape[-2:], dtype=torch.bool, device=device).tril()
-        elif mask is not None:
-            doc = doc & mask.to(device)
-        out.append((qs, ks, "masked", doc))
-    return out
 
 
 def build_plan(rank: int, cp: int, local_len: int, causal: bool, window: int | None, q_doc: torch.Tensor | None,
                all_docs: torch.Tensor | None, device: torch.device) -> list[list[Block]]:
-    """The blocks of every step, ``plan[i]`` for the K/V of ``src = (rank - i) mod cp``, with their
-    masks on ``device``. ``all_docs [b, s]``: every rank's document ids in rank order (or None)."""
+    """The blocks of every step, ``plan[i]`` for the K/V of ``src = (rank - i) mod cp``.
+
+    ``q_doc [b, s/cp]``: this rank's document ids; ``all_docs [b, s]``: every rank's in rank order
+    (both None without documents). With documents every block is ``"masked"``.
+    """
+    q_pos = cp_position_ids(local_len, rank, cp, device)
     plan = []
     for i in range(cp):
         src = (rank - i) % cp
+        k_pos = cp_position_ids(local_len, src, cp, device)
         k_doc = None if all_docs is None else all_docs[:, src * local_len : (src + 1) * local_len]
-        plan.append(_with_documents(step_blocks(rank, src, cp, local_len, causal, window), q_doc, k_doc, device))
+        step = []
+        for qs, ks, kind in step_blocks(rank, src, cp, local_len, causal, window):
+            build = None
+            if kind == "masked" or q_doc is not None:
+                kind = "masked"
+                build = _mask_builder(q_pos[qs], k_pos[ks], causal, window,
+                                      None if q_doc is None else q_doc[:, qs], None if k_doc is None else k_doc[:, ks])
+            step.append((qs, ks, kind, build))
+        plan.append(step)
     return plan
+
+
+def _mask_builder(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None,
+                  q_doc: torch.Tensor | None, k_doc: torch.Tensor | None) -> Callable[[], torch.Tensor]:
+    return lambda: attention_mask(q_pos, k_pos, causal=causal, window=window, q_doc=q_doc, k_doc=k_doc)
