@@ -7,15 +7,22 @@ model at any tp/pp, and :func:`check_parallel` says whether a given layout fits.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ROTARY_SCALING_PARAMETERS", "GPTConfig", "ModelConfigBase", "check_parallel", "check_rotary_scaling"]
+__all__ = ["MOE_ROUTER_FIELDS", "ROTARY_SCALING_PARAMETERS", "GPTConfig", "ModelConfigBase", "check_parallel", "check_rotary_scaling"]
 
 _POSITION_EMBEDDINGS = ("learned", "rope", "none")
 _NORMALIZATIONS = ("layernorm", "rmsnorm")
 _ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 _HEADS = ("lm", "classification")
+_MOE_ACTIVATIONS = ("swiglu", "gelu")
+MOE_ROUTER_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                     "moe_router_norm_topk_prob", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                     "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+                     "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+"""GPTConfig fields passed unchanged to ``mg_parallel.moe.MoEConfig`` (the same names)."""
 ROTARY_SCALING_PARAMETERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "linear": (("factor",), ()),
     "dynamic": (("factor",), ()),
@@ -116,6 +123,40 @@ class GPTConfig(ModelConfigBase):
     and BERT's add_binary_head have no effect."""
     num_labels: int = 2
     """Classes of the classification head (1 = regression, trained with a squared-error loss); unused by "lm"."""
+    num_experts: int | None = None
+    """Experts of each mixture-of-experts layer (an mg_parallel.moe.MoELayer in place of the MLP); None: a dense
+    model (no moe_* field may then be set)."""
+    moe_ffn_hidden_size: int | None = None
+    """FFN width of each expert; None means ffn_hidden_size."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE layers: k = every k-th layer from layer 0 (layers 0, k, 2k, ...; Megatron's meaning), or
+    a list of 0/1 per layer, e.g. [0, 1, 1, 1] for a dense first layer."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """FFN width of a shared expert every token goes through (Qwen2-MoE); None for none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x w) with a learned [1, h] w (Qwen2-MoE)."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to (k)."""
+    moe_router_score_function: str = "softmax"
+    """"softmax" or "sigmoid": how router logits become scores."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then the top k (Qwen-MoE); False: top k of the logits, then a softmax over those k
+    (Mixtral)."""
+    moe_router_norm_topk_prob: bool = False
+    """Renormalise the k chosen probabilities to sum to 1 (with pre-softmax or sigmoid scores)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """"aux_loss" (per micro-batch), "seq_aux_loss" (per sequence), "global_aux_loss" (over dp too) or "none"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss coeff * N * sum_i f_i P_i (f_i: share of the T*k choices; 0 disables it)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss mean(logsumexp(logits)^2); None disables it."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for choosing experts only."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update bias += rate * sign(mean_load - load)."""
+    moe_expert_capacity_factor: float | None = None
+    """Capacity of each expert as a multiple of the even share tokens*k/num_experts (excess tokens are dropped);
+    None: dropless."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
@@ -166,6 +207,73 @@ class GPTConfig(ModelConfigBase):
                 raise ValueError(f"model.{name}={getattr(self, name)} must be in [0, 1)")
         if self.norm_eps <= 0 or self.init_method_std <= 0 or self.rotary_base <= 0:
             raise ValueError("model.norm_eps, model.init_method_std and model.rotary_base must be positive")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Validate the mixture-of-experts fields (through MoEConfig for the router's), naming model.<key>."""
+        defaults = {f.name: f.default for f in self.__dataclass_fields__.values()}  # type: ignore[attr-defined]
+        moe_keys = [n for n in defaults if n.startswith("moe_")]
+        if self.num_experts is None:
+            set_keys = [n for n in moe_keys if getattr(self, n) != defaults[n]]
+            if set_keys:
+                raise ValueError(f"{', '.join('model.' + n for n in set_keys)} need model.num_experts; set the number "
+                                 f"of experts or remove them")
+            return
+        for name in ("num_experts", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+                raise ValueError(f"model.moe_layer_freq={freq!r} must list 0 (dense) or 1 (MoE) for each of the "
+                                 f"{self.num_layers} layers (model.num_layers)")
+        elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+            raise ValueError(f"model.moe_layer_freq={freq!r} must be a positive integer (every k-th layer) or a "
+                             f"list of 0/1 per layer")
+        if self.activation not in _MOE_ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r} is not available for experts; use one of "
+                             f"{_MOE_ACTIVATIONS} with model.num_experts")
+        if self.add_bias_linear:
+            raise ValueError("model.add_bias_linear=True is not supported with model.num_experts (experts have no "
+                             "biases); set add_bias_linear: false (add_qkv_bias may stay true)")
+        if isinstance(self.moe_router_topk, int) and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
+                             f"{self.num_experts}; lower topk or add experts")
+        try:
+            self.moe_config()
+        except ValueError as e:  # MoEConfig names its own fields: they are ours with a model. prefix
+            raise ValueError(re.sub(r"(?<![\w.])(moe_\w+)", r"model.\1", str(e))) from None
+
+    def moe_config(self) -> Any:
+        """The ``mg_parallel.moe.MoEConfig`` of the MoE layers (the router fields, the expert activation).
+
+        Raises:
+            ValueError: an invalid router option (MoEConfig's own message).
+        """
+        from mg_parallel.moe import MoEConfig  # lazily: this module imports no torch
+
+        return MoEConfig(**{n: getattr(self, n) for n in MOE_ROUTER_FIELDS}, moe_expert_activation=self.activation)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture-of-experts layer."""
+        return self.num_experts is not None and any(self.moe_layer_pattern)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for each MoE layer, 0 for each dense one (all 0 without num_experts)."""
+        if self.num_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return list(freq)
+        return [int(i % freq == 0) for i in range(self.num_layers)]
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """FFN width of each expert."""
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def query_groups(self) -> int:

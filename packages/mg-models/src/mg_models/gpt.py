@@ -192,7 +192,7 @@ class GPTModel(PipelineStageModel):
             self.rotary = RotaryEmbedding(config.rotary_dim, config.rotary_base, device=grid.device,
                                           scaling=config.rotary_scaling,
                                           max_position_embeddings=config.max_position_embeddings)
-        self.decoder = TransformerBlock(self.ctx, "decoder", self.layer_range, post_process, layer_spec)
+        self.decoder = TransformerBlock(self.ctx, "decoder", self.layer_range, post_process, layer_spec, grid=grid)
         self.output_layer = self.score = None
         tied = config.tie_word_embeddings and config.has_lm_head
         if post_process and config.has_lm_head:

@@ -37,6 +37,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": _llama(80, 8192, 64, 28672, groups=8),
     "llama3-8b": _llama(32, 4096, 32, 14336, groups=8, vocab=128256, max_pos=8192, base=500000.0),
     "mistral-7b": _llama(32, 4096, 32, 14336, groups=8, max_pos=32768, sliding_window=4096),
+    # Mixture of experts (shapes and routing of the published checkpoints; aux coefficients as their import gives).
+    "mixtral-8x7b": _llama(32, 4096, 32, 14336, groups=8, max_pos=32768, base=1e6, num_experts=8,
+                           moe_router_topk=2, moe_aux_loss_coeff=0.04),
+    "qwen3-30b-a3b": _llama(48, 2048, 32, 6144, groups=4, vocab=151936, max_pos=40960, base=1e6, eps=1e-6,
+                            kv_channels=128, qk_layernorm=True, num_experts=128, moe_ffn_hidden_size=768,
+                            moe_router_topk=8, moe_router_pre_softmax=True, moe_router_norm_topk_prob=True,
+                            moe_aux_loss_coeff=0.008),
     # nanoGPT's character/BPE demo shape (~14M parameters with an 8192 vocabulary).
     "gpt-14m": dict(num_layers=6, hidden_size=384, num_attention_heads=6, vocab_size=8192,
                     max_position_embeddings=256, activation="gelu", add_bias_linear=False),
@@ -46,6 +53,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
                       max_position_embeddings=128, activation="gelu_tanh"),
     "tiny-llama": _llama(2, 64, 4, 160, groups=2, vocab=512, max_pos=128),
+    "tiny-moe": _llama(2, 64, 4, 160, groups=2, vocab=512, max_pos=128, num_experts=4, moe_ffn_hidden_size=64,
+                       moe_router_topk=2, moe_aux_loss_coeff=1e-2),
 }
 """GPT shapes by name (fields of :class:`GPTConfig`)."""
 

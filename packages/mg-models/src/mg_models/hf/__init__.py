@@ -6,7 +6,7 @@ unsharded mg state dict; :func:`write_hf_directory` writes the reverse with exac
 tensor names (no separate tensor for tied weights) and a loadable ``config.json``.
 
 For conversions that must not hold the model in memory, :func:`tensor_groups` describes any
-supported model (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT, T5) as small groups of tensors converted
+supported model (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT, T5) as small groups of tensors converted
 independently (:mod:`mg_models.hf.groups`), and :func:`read_hf_config` reads a directory's
 configuration from its ``config.json`` and, where needed, a tensor or two.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mg_models.config import GPTConfig
-from mg_models.hf import gpt2, llama
+from mg_models.hf import gpt2, llama, moe
 from mg_models.hf.common import load_safetensors_dir, read_config_json, write_hf_files
 from mg_models.hf.groups import TensorGroup, converted_specs, iter_converted
 
@@ -28,7 +28,8 @@ __all__ = ["FAMILY_OF_MODEL_TYPE", "SUPPORTED_MODEL_TYPES", "TensorGroup", "conf
            "converted_specs", "hf_tensor_ignored", "iter_converted", "model_config_from_dict", "read_hf_config",
            "read_hf_directory", "state_from_hf", "state_to_hf", "tensor_groups", "write_hf_directory"]
 
-SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama}
+SUPPORTED_MODEL_TYPES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
+                         "mixtral": moe.MIXTRAL, "qwen2_moe": moe.QWEN_MOE, "qwen3_moe": moe.QWEN_MOE}
 """The GPT-family Hugging Face architectures (BERT and T5 have their own modules)."""
 FAMILY_OF_MODEL_TYPE = {**dict.fromkeys(SUPPORTED_MODEL_TYPES, "gpt"), "bert": "bert", "t5": "t5"}
 """mg model family (``extra["model_family"]`` of mg checkpoints) of each Hugging Face ``model_type``."""
@@ -93,7 +94,8 @@ def write_hf_directory(path: str | Path, mg_state: dict[str, torch.Tensor], conf
     ``extra_config`` for batches of several sequences).
 
     ``mg_state`` is an unsharded mg state dict (e.g. ``GPTModel(...).state_dict()`` at tp=1);
-    ``model_type`` is "gpt2", "llama", "mistral", "qwen2" or "qwen3"; ``extra_config`` adds keys such as token ids.
+    ``model_type`` is "gpt2", "llama", "mistral", "qwen2", "qwen3" or, for a model with MoE layers, "mixtral",
+    "qwen2_moe" or "qwen3_moe"; ``extra_config`` adds keys such as token ids.
     """
     adapter = _adapter(model_type, "write_hf_directory")
     hf_config = adapter.config_to_hf(config) if model_type == "gpt2" else adapter.config_to_hf(config, model_type)
@@ -148,7 +150,8 @@ def config_to_hf(config: Any, model_type: str) -> dict[str, Any]:
         ValueError: an unsupported ``model_type`` or a config the architecture cannot express.
     """
     module = _family_module(model_type, "config_to_hf")
-    return module.config_to_hf(config, model_type) if module is llama else module.config_to_hf(config)
+    typed = model_type in SUPPORTED_MODEL_TYPES and model_type != "gpt2"  # one adapter serves several types
+    return module.config_to_hf(config, model_type) if typed else module.config_to_hf(config)
 
 
 def hf_tensor_ignored(name: str, config: Any, model_type: str) -> bool:

@@ -10,6 +10,7 @@ Meta's interleaved layout).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,6 +134,9 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 def _check_exportable(c: GPTConfig, model_type: str) -> None:
     if model_type not in _PREFIX:
         raise ValueError(f"model_type={model_type!r} is not a Llama-like format; use one of {sorted(_PREFIX)}")
+    if c.num_experts is not None:
+        raise ValueError(f"a model with model.num_experts cannot be exported as {model_type!r}; use model_type "
+                         f"'mixtral', 'qwen2_moe' or 'qwen3_moe'")
     if c.position_embedding != "rope" or c.normalization != "rmsnorm" or c.activation != "swiglu":
         raise ValueError(f"only rope + rmsnorm + swiglu models map onto {_PREFIX[model_type]}")
     if c.rotary_percent != 1.0:
@@ -178,14 +182,16 @@ def config_to_hf(c: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
     return out
 
 
-def _plain_map(i: int, bias: bool) -> list[tuple[str, str]]:
+def _plain_map(i: int, bias: bool, dense_mlp: bool) -> list[tuple[str, str]]:
     h, m = f"model.layers.{i}", f"decoder.layers.{i}"
     pairs = [
         (f"{h}.input_layernorm.weight", f"{m}.input_layernorm.weight"),
         (f"{h}.post_attention_layernorm.weight", f"{m}.pre_mlp_layernorm.weight"),
     ]
-    linears = [("self_attn.o_proj", "self_attention.linear_proj"), ("mlp.gate_proj", "mlp.linear_gate"),
-               ("mlp.up_proj", "mlp.linear_fc1"), ("mlp.down_proj", "mlp.linear_fc2")]
+    linears = [("self_attn.o_proj", "self_attention.linear_proj")]
+    if dense_mlp:
+        linears += [("mlp.gate_proj", "mlp.linear_gate"), ("mlp.up_proj", "mlp.linear_fc1"),
+                    ("mlp.down_proj", "mlp.linear_fc2")]
     for hn, mn in linears:
         pairs.append((f"{h}.{hn}.weight", f"{m}.{mn}.weight"))
         if bias:
@@ -213,8 +219,18 @@ def _qkv_group(c: GPTConfig, i: int, suffix: str) -> TensorGroup:
                        (f"decoder.layers.{i}.self_attention.linear_qkv.{suffix}",), to_mg, to_hf)
 
 
-def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
-    """The model as per-tensor conversions: renames, vocabulary padding, and one q/k/v fusion group per layer."""
+def tensor_groups(c: GPTConfig, moe_groups: Callable[[int], list[TensorGroup]] | None = None) -> list[TensorGroup]:
+    """The model as per-tensor conversions: renames, vocabulary padding, and one q/k/v fusion group per layer.
+
+    ``moe_groups(i)`` gives the groups of the MLP of MoE layer ``i`` (see :mod:`mg_models.hf.moe`).
+
+    Raises:
+        ValueError: ``c`` has MoE layers and no ``moe_groups`` is given (a Llama-like format has no experts).
+    """
+    pattern = c.moe_layer_pattern
+    if any(pattern) and moe_groups is None:
+        raise ValueError("a model with model.num_experts maps onto Mixtral, Qwen2-MoE or Qwen3-MoE only; export it as "
+                         "model_type 'mixtral', 'qwen2_moe' or 'qwen3_moe'")
     groups = [
         mapped("model.embed_tokens.weight", "embedding.word_embeddings.weight",
                lambda w: pad_vocab(w, c), lambda w: unpad_vocab(w, c)),
@@ -222,7 +238,9 @@ def tensor_groups(c: GPTConfig) -> list[TensorGroup]:
     ]
     groups += output_groups(c, "lm_head.weight")
     for i in range(c.num_layers):
-        groups += [rename(h, m) for h, m in _plain_map(i, c.add_bias_linear)]
+        groups += [rename(h, m) for h, m in _plain_map(i, c.add_bias_linear, dense_mlp=not pattern[i])]
+        if pattern[i]:
+            groups += moe_groups(i)
         if c.qk_layernorm:  # Qwen3's per-head q/k RMSNorm
             groups += [rename(f"model.layers.{i}.self_attn.{x}_norm.weight",
                               f"decoder.layers.{i}.self_attention.{x}_layernorm.weight") for x in "qk"]
