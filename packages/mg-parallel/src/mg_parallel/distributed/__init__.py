@@ -10,12 +10,13 @@ from mg_parallel.distributed.fsdp import (
     finalize_fsdp_grads,
     fsdp_grad_norm,
     fsdp_mesh,
+    local_tensor,
     memory_bytes,
     no_gradient_sync,
 )
 
 __all__ = [
     "Bucket", "DistributedDataParallel", "GradBuffer", "apply_fsdp", "check_fsdp", "clip_fsdp_grads",
-    "finalize_fsdp_grads", "finalize_model_grads", "fsdp_grad_norm", "fsdp_mesh", "grad_of", "memory_bytes",
-    "no_gradient_sync",
+    "finalize_fsdp_grads", "finalize_model_grads", "fsdp_grad_norm", "fsdp_mesh", "grad_of", "local_tensor",
+    "memory_bytes", "no_gradient_sync",
 ]
