@@ -18,6 +18,7 @@ from mg_parallel.context_parallel import (
     check_cp_comm,
     context_parallel_attention,
     cp_position_ids,
+    document_ids_from_cu_seqlens,
     gather_from_cp,
     split_for_cp,
     unsplit_from_cp,
@@ -155,6 +156,9 @@ def test_masks_and_kernel_names():
     m = attention_mask(pos, pos, causal=True, window=2)[0]
     assert m[3].tolist() == [False, False, True, True, False, False]
     assert attention_mask(pos, pos, causal=False, window=None) is None
+    assert document_ids_from_cu_seqlens(torch.tensor([0, 3, 4, 7]), 9).tolist() == [0, 0, 0, 1, 2, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        document_ids_from_cu_seqlens(torch.tensor([0, 5, 3]), 8)
     assert block_attention_impl("cpu", torch.float32, "causal") == "flash-cpu"
     assert block_attention_impl("cpu", torch.float32, "masked") == "flash-cpu"
     assert block_attention_impl("cpu", torch.float64, "causal") == "reference"

@@ -24,7 +24,7 @@ from mg_parallel.context_parallel.chunking import (
     split_for_cp,
     unsplit_from_cp,
 )
-from mg_parallel.context_parallel.masks import attention_mask
+from mg_parallel.context_parallel.masks import attention_mask, document_ids_from_cu_seqlens
 
 __all__ = [
     "CP_COMM_KINDS",
@@ -34,6 +34,7 @@ __all__ = [
     "check_cp_comm",
     "context_parallel_attention",
     "cp_position_ids",
+    "document_ids_from_cu_seqlens",
     "gather_from_cp",
     "split_for_cp",
     "unsplit_from_cp",
