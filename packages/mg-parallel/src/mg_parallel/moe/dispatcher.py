@@ -78,8 +78,11 @@ def _sort_by_bin(bins: torch.Tensor, num_bins: int, pad_to: int | None) -> tuple
     return slots, torch.full_like(counts, pad_to)
 
 
-def _with_pad_row(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+def _rows(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``t[index]``, where with ``padded`` the index ``len(t)`` selects a row of zeros."""
+    if padded:
+        t = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+    return t.index_select(0, index)
 
 
 class _Dispatcher:
@@ -120,8 +123,9 @@ class AllToAllDispatcher(_Dispatcher):
         slots, counts = _sort_by_bin(targets, self.num_experts, self._pad(capacity))
         self.num_tokens, self.slots = x.shape[0], slots
         self.slot_tokens = torch.where(slots < targets.numel(), slots // k, x.shape[0])  # pad rows -> T
-        self.slot_probs = _with_pad_row(probs.reshape(-1, 1))[slots]  # [M, 1], 0 for pad rows
-        rows = _with_pad_row(x)[self.slot_tokens]  # [M, h] sorted by global expert
+        padded = self._pad(capacity) is not None
+        self.slot_probs = _rows(probs.reshape(-1, 1), slots, padded)  # [M, 1], 0 for pad rows
+        rows = _rows(x, self.slot_tokens, padded)  # [M, h] sorted by global expert
         received = exchange_counts(counts, self.ep_group)  # [ep, E_local]
         self.send_splits = counts.view(self.ep, -1).sum(1).tolist()
         self.recv_splits = received.sum(1).tolist()
@@ -169,8 +173,8 @@ class AllGatherDispatcher(_Dispatcher):
         slots, per_expert = _sort_by_bin(local, e_local, None if pad is None else pad * self.ep)
         self.num_tokens = x_all.shape[0]
         self.slot_tokens = torch.where(slots < local.numel(), slots // k, x_all.shape[0])
-        self.slot_probs = _with_pad_row(probs_all.reshape(-1, 1))[slots]
-        return _with_pad_row(x_all)[self.slot_tokens], per_expert
+        self.slot_probs = _rows(probs_all.reshape(-1, 1), slots, pad is not None)
+        return _rows(x_all, self.slot_tokens, pad is not None), per_expert
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """Same contract as :meth:`AllToAllDispatcher.combine`."""

@@ -163,8 +163,9 @@ class GroupedExperts(nn.Module):
         if self.path == "grouped_mm":
             offs = torch.cumsum(counts, 0).to(torch.int32)
             return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-        # Every expert multiplies, even with 0 rows, so each weight gets a (zero) gradient.
-        return torch.cat([xe @ w[i] for i, xe in enumerate(torch.split(x, splits))])
+        # unbind, not w[i]: its backward stacks the experts' gradients once instead of adding a full-size
+        # zero tensor per expert. Every expert multiplies, even with 0 rows, so each gets a (zero) gradient.
+        return torch.cat([xe @ we for xe, we in zip(torch.split(x, splits), w.unbind(0))])
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [M, h]`` grouped by local expert with ``tokens_per_expert [E_local]`` rows each -> ``[M, h]``."""
