@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from mg_models import GPTConfig, GPTModel, flops_per_token, get_config, load_pretrained, num_parameters
 from mg_models.generation import SamplingConfig, generate
 from mg_models.hf import config_from_hf, config_to_hf, read_hf_directory, write_hf_directory
-from mg_parallel.moe import GroupedExperts, TopKRouter, moe_losses
+from mg_parallel.moe import GroupedExperts, TopKRouter, is_expert_param, moe_losses
+from mg_parallel.testing import run_distributed
 
 from .test_hf_parity import _randomise_small_params
 
@@ -203,3 +204,57 @@ def test_export_refusals_name_the_fields():
     with pytest.raises(ValueError, match=r"decoder_sparse_step=3 with mlp_only_layers=\[\] leaves no MoE layer"):
         config_from_hf({**hf, "decoder_sparse_step": 3})
     assert config_from_hf({**hf, "decoder_sparse_step": 2}).moe_layer_pattern == [0, 1]
+
+
+def ep_worker() -> dict[str, object]:
+    """ep=2 over dp=2, every rank fed the same batch: the experts are split, the model is the same."""
+    import torch.distributed as dist
+
+    from mg_parallel.grid import ParallelDims, build_grid
+
+    torch.set_num_threads(1)
+    grid = build_grid(ParallelDims(ep=2))
+    model = GPTModel(get_config("tiny-moe", vocab_size=200), grid, seed=9)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(8))
+    loss = model(ids, labels=ids)
+    loss.sum().backward()
+    out: dict[str, object] = {"loss": loss.detach(), "params": {}, "grads": {}}
+    for n, p in model.named_parameters():
+        for key, t in (("params", p.detach()), ("grads", p.grad)):
+            if is_expert_param(p):  # this rank's experts: gather the global [N, ...] tensor
+                parts = [torch.empty_like(t) for _ in range(2)]
+                dist.all_gather(parts, t.contiguous(), group=grid.ep_group)
+                t = torch.cat(parts)
+            out[key][n] = t.clone()
+    return out
+
+
+def test_expert_parallel_model_equals_one_process():
+    config = get_config("tiny-moe", vocab_size=200)
+    ref = GPTModel(config, seed=9)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(8))
+    ref_loss = ref(ids, labels=ids)
+    ref_loss.sum().backward()
+    for res in run_distributed(ep_worker, 2):
+        torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        for n, p in ref.named_parameters():
+            assert torch.equal(res["params"][n], p.detach()), n  # the same global tensors at any ep
+            # Both ranks' tokens reach each expert: twice the gradient of one copy of the batch.
+            scale = 2 if is_expert_param(p) else 1
+            torch.testing.assert_close(res["grads"][n], scale * p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_streaming_conversion_plans_the_expert_tensors_on_meta():
+    """converted_specs (shapes from headers, meta tensors) gives per-expert Hugging Face tensors and back."""
+    from mg_models.hf import converted_specs, tensor_groups
+
+    config = get_config("tiny-moe", moe_router_pre_softmax=True, moe_layer_freq=[0, 1],
+                        moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    state = GPTModel(config).state_dict()
+    groups = tensor_groups(config, "qwen2_moe")
+    assert max(len(g.hf) for g in groups) == 2 * config.num_experts  # one layer's gate+up weights
+    hf = {n: (s, d) for n, s, d in converted_specs(groups, lambda n: (state[n].shape, state[n].dtype), "hf")}
+    assert hf["model.layers.1.mlp.experts.3.down_proj.weight"] == ((64, 64), torch.float32)
+    assert hf["model.layers.1.mlp.shared_expert.gate_proj.weight"][0] == (32, 64)
+    back = converted_specs(groups, lambda n: hf[n], "mg")
+    assert {n: s for n, s, _ in back} == {n: tuple(t.shape) for n, t in state.items()}
