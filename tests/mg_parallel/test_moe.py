@@ -19,6 +19,7 @@ from mg_parallel.moe import (
     GroupedExperts,
     MoEConfig,
     MoELayer,
+    allreduce_expert_grads,
     expert_shard_info,
     keep_within_capacity,
     moe_losses,
@@ -267,7 +268,25 @@ def _check_world4():
     for grouped in (None, False):
         cfg = MoEConfig(moe_router_topk=2, moe_router_enable_expert_bias=True, moe_grouped_gemm=grouped)
         cases.append(_run_case("dp", dict(ep=4), cfg, 30, bias=idle_bias, idle=5))
+    cases.append(_check_expert_grad_average())
     return cases
+
+
+def _check_expert_grad_average():
+    """ep 2 of dp 4: averaged over the expert-dp group, expert grads are the mean over all 4 micro-batches."""
+    grid = _grid(ep=2)
+    cfg = MoEConfig(moe_router_topk=2)
+    gen = torch.Generator().manual_seed(60)
+    weights = _weights(cfg, gen)
+    xs, gouts = torch.randn(4, S, B, H, generator=gen), torch.randn(4, S, B, H, generator=gen)
+    layer = _build(weights, cfg, grid)
+    (layer(xs[grid.rank]) * gouts[grid.rank]).sum().backward()
+    allreduce_expert_grads([layer], grid)
+    _, ref, _, _ = _ref_grads(weights, list(xs), list(gouts), cfg)
+    for name in ("w1", "w2"):
+        p = getattr(layer.experts, name)
+        assert_close(p.grad, _block(ref[name], p, grid) / 4, **TOL)
+    return "expert grad average"
 
 
 def _check_world2():

@@ -12,7 +12,13 @@ from mg_parallel.moe.dispatcher import (
     expert_capacity,
     keep_within_capacity,
 )
-from mg_parallel.moe.experts import GroupedExperts, expert_shard_info, grouped_mm_supported, is_expert_param
+from mg_parallel.moe.experts import (
+    GroupedExperts,
+    allreduce_expert_grads,
+    expert_shard_info,
+    grouped_mm_supported,
+    is_expert_param,
+)
 from mg_parallel.moe.layer import MoEGroups, MoELayer, moe_losses
 from mg_parallel.moe.router import TopKRouter, update_expert_biases
 
@@ -24,6 +30,7 @@ __all__ = [
     "MoEGroups",
     "MoELayer",
     "TopKRouter",
+    "allreduce_expert_grads",
     "build_dispatcher",
     "expert_capacity",
     "expert_shard_info",

@@ -22,17 +22,19 @@ receives no token gets a zero gradient on either path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mg_parallel.collectives import all_reduce_coalesced
+from mg_parallel.params import grad_of, unique_params
 from mg_parallel.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
-__all__ = ["GroupedExperts", "expert_shard_info", "grouped_mm_supported", "is_expert_param"]
+__all__ = ["GroupedExperts", "allreduce_expert_grads", "expert_shard_info", "grouped_mm_supported", "is_expert_param"]
 
 _PROBED: dict[tuple, bool] = {}
 
@@ -88,6 +90,23 @@ def expert_shard_info(param: torch.Tensor, *, tp_size: int = 1, tp_rank: int = 0
         d = param.partition_dim
         offset[d], shape[d] = shape[d] * tp_rank, shape[d] * tp_size
     return tuple(shape), tuple(offset)
+
+
+def allreduce_expert_grads(modules: Iterable[nn.Module], grid: object) -> None:
+    """Average the expert parameters' gradients the way data parallelism averages the others.
+
+    An expert's gradient on one rank already sums the losses of its ep group's micro-batches; summing it
+    over ``grid.expert_dp_group`` and dividing by ``dp*cp`` gives the mean over every data-parallel
+    micro-batch, as a dense weight's gradient averaged over ``dp_cp_group``. Reads and writes
+    ``param.main_grad`` where DDP gave one, else ``.grad``; parameters without a gradient are skipped.
+    Collective over ``grid.expert_dp_group``. Use it for models trained without DDP, or from a wrapper
+    that leaves expert parameters out of its own reduction (:func:`is_expert_param`).
+    """
+    grads = [g for p in unique_params(modules) if is_expert_param(p) and (g := grad_of(p)) is not None]
+    all_reduce_coalesced(grads, grid.expert_dp_group)
+    ranks = grid.dp_size * grid.cp_size
+    for g in grads:
+        g.div_(ranks)
 
 
 class GroupedExperts(nn.Module):
