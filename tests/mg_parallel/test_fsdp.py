@@ -19,7 +19,14 @@ from mg_parallel.distributed import (
 )
 from mg_parallel.grid import ParallelDims, build_grid
 from mg_parallel.pipeline import forward_backward_1f1b, forward_backward_no_pipelining
-from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_replicated
+from mg_parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_from_sequence_parallel_region,
+    mark_replicated,
+    mark_sequence_parallel,
+    scatter_to_sequence_parallel_region,
+)
 from mg_parallel.testing import run_distributed
 
 V, H, FFN, LAYERS, S, B = 32, 16, 64, 2, 4, 8
@@ -27,14 +34,16 @@ LR, WD, CLIP, STEPS, TOL = 1e-2, 0.1, 0.5, 5, 2e-5
 
 
 class Block(nn.Module):
-    """Pre-norm MLP block; fc1/fc2 are column/row-parallel (plain F.linear at tp_group=None)."""
+    """Pre-norm MLP block on [s, b, h]; fc1/fc2 are column/row-parallel (plain F.linear at tp_group=None);
+    ``sp``: sequence parallel ([s/tp, b, h] between blocks)."""
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, tp_group) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], i: int, tp_group, sp: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(H)
-        mark_replicated(self.norm)
-        self.fc1 = ColumnParallelLinear(H, FFN, tp_group=tp_group, init_method=lambda t: t.copy_(w[f"fc1.{i}"]))
-        self.fc2 = RowParallelLinear(FFN, H, tp_group=tp_group, init_method=lambda t: t.copy_(w[f"fc2.{i}"]))
+        (mark_sequence_parallel if sp else mark_replicated)(self.norm)
+        kw = dict(tp_group=tp_group, sequence_parallel=sp)
+        self.fc1 = ColumnParallelLinear(H, FFN, init_method=lambda t: t.copy_(w[f"fc1.{i}"]), **kw)
+        self.fc2 = RowParallelLinear(FFN, H, init_method=lambda t: t.copy_(w[f"fc2.{i}"]), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
@@ -43,13 +52,14 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Embedding, LAYERS blocks, final norm, output head tied to the embedding; forward returns mean CE."""
 
-    def __init__(self, tp_group=None, tied: bool = True) -> None:
+    def __init__(self, tp_group=None, tied: bool = True, sp: bool = False) -> None:
         super().__init__()
+        self.tp_group, self.sp = tp_group, sp
         g = torch.Generator().manual_seed(0)
         w = {f"{n}.{i}": torch.randn(shape, generator=g) * 0.3
              for i in range(LAYERS) for n, shape in (("fc1", (FFN, H)), ("fc2", (H, FFN)))}
         self.emb = nn.Embedding(V, H)
-        self.layers = nn.ModuleList(Block(w, i, tp_group) for i in range(LAYERS))
+        self.layers = nn.ModuleList(Block(w, i, tp_group, sp) for i in range(LAYERS))
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, V, bias=False)
         with torch.no_grad():
@@ -60,10 +70,14 @@ class Net(nn.Module):
         mark_replicated(self.emb, self.norm, self.head)
 
     def forward(self, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)  # [b, s, h]
+        x = self.emb(tokens.t())  # [s, b, h]
+        if self.sp:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
         for layer in self.layers:
             x = layer(x)
-        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), target.flatten())
+        if self.sp:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=False)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), target.t().flatten())
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,7 +106,8 @@ def reference(tied: bool = True, clip: float = CLIP) -> list[dict[str, torch.Ten
 
 def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers: bool = True,
                shard_size: int | None = None, micro: int = 2, tied: bool = True, clip: float = CLIP,
-               offload: bool = False, schedule: bool = False, reshard_after_forward: bool = True) -> float:
+               offload: bool = False, schedule: bool = False, reshard_after_forward: bool = True,
+               sp: bool = False) -> float:
     """Train under apply_fsdp on this rank's share of each batch (``micro`` micro-batches); returns the largest
     difference of this rank's parameter shards from the reference's after any step.
 
@@ -100,7 +115,7 @@ def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers
     replica, and the grad norm must count each of its parameters once.
     """
     grid = build_grid(ParallelDims(tp=tp))
-    model = Net(grid.tp_group if split_layers else None, tied)
+    model = Net(grid.tp_group if split_layers else None, tied, sp)
     if not split_layers:
         for p in model.parameters():
             p.tensor_parallel = False
@@ -121,6 +136,8 @@ def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers
             for i, (x, t) in enumerate(micros):
                 with no_gradient_sync(model) if i < micro - 1 else contextlib.nullcontext():
                     (model(x, t) / micro).backward()
+        if sp and not schedule:
+            finalize_fsdp_grads([model], grid)  # the norms' partial gradients, summed over tp
         if clip:
             clip_fsdp_grads([model], grid, clip)
         opt.step()
@@ -231,7 +248,7 @@ def memory_ratio() -> float:
 
 def bf16_loss_error() -> float:
     """apply_fsdp(..., "bf16"): computes in bf16 while parameters and gradients stay fp32 shards; returns
-    |loss - fp32 loss| on this rank's rows of one batch."""
+    |loss - fp32 loss| / fp32 loss on this rank's rows of one batch (the loss itself is bf16: ulp ~0.4%)."""
     grid = build_grid(ParallelDims())
     tokens, target = (t.chunk(grid.dp_size)[grid.dp_rank] for t in batches(1)[0])
     want = Net()(tokens, target)
@@ -240,7 +257,7 @@ def bf16_loss_error() -> float:
     loss.backward()
     assert loss.dtype == torch.bfloat16
     assert {(p.to_local().dtype, p.grad.to_local().dtype) for p in model.parameters()} == {(torch.float32,) * 2}
-    return abs(float(loss.float() - want))
+    return abs(float(loss.detach().float() / want.detach() - 1))
 
 
 def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -252,6 +269,7 @@ def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, to
         "dp4": train_fsdp(tied_ref),
         "hsdp 2x2, no reshard after forward": train_fsdp(tied_ref, shard_size=2, reshard_after_forward=False),
         "tp2 x dp2": train_fsdp(tied_ref, tp=2),
+        "tp2 sequence parallel x dp2": train_fsdp(tied_ref, tp=2, sp=True),
         "pp2 x dp2 1f1b": train_pipeline(tied_ref),
         "memory dp4/dp1": memory_ratio(),
         "bf16 loss": bf16_loss_error(),
@@ -261,7 +279,7 @@ def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, to
 def test_fsdp_parity_and_memory():
     for rank, results in enumerate(run_distributed(cases, 4, reference(), reference(tied=False), timeout=300)):
         ratio, bf16 = results.pop("memory dp4/dp1"), results.pop("bf16 loss")
-        assert 0 < bf16 < 0.05, f"rank {rank}: bf16 loss differs from fp32 by {bf16}"
+        assert 0 < bf16 < 0.02, f"rank {rank}: bf16 loss differs from fp32 by {bf16:.1%}"
         assert abs(ratio - 0.25) < 0.25 * 0.05, f"rank {rank}: dp4 holds {ratio:.3f} of dp1's bytes"
         for case, err in results.items():
             assert err < TOL, f"rank {rank} {case}: max |param - reference| = {err:.2e}"
