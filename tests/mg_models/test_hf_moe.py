@@ -206,42 +206,63 @@ def test_export_refusals_name_the_fields():
     assert config_from_hf({**hf, "decoder_sparse_step": 2}).moe_layer_pattern == [0, 1]
 
 
-def ep_worker() -> dict[str, object]:
-    """ep=2 over dp=2, every rank fed the same batch: the experts are split, the model is the same."""
+LAYOUTS = {  # name: (ParallelDims fields, experts see both ranks' tokens)
+    "ep2": (dict(ep=2), True),
+    "tp2-sp": (dict(tp=2, sequence_parallel=True), False),  # each tp rank routes its s/tp tokens
+    "etp2-sp": (dict(tp=2, etp=2, sequence_parallel=True), False),  # each expert's FFN split over tp
+}
+
+
+def _global(t: torch.Tensor, p: torch.nn.Parameter, grid) -> torch.Tensor:
+    """The global tensor of this rank's ``t`` (of parameter ``p``): experts gathered over ep, shards over tp."""
     import torch.distributed as dist
 
+    for split, group, dim in ((is_expert_param(p) and grid.ep_size > 1, grid.ep_group, 0),
+                              (getattr(p, "tensor_parallel", False), grid.tp_group, getattr(p, "partition_dim", 0))):
+        if split:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=dim)
+    return t.clone()
+
+
+def layout_worker() -> dict[str, object]:
+    """On 2 ranks, every rank fed the same batch: each layout of LAYOUTS, its global parameters and gradients."""
     from mg_parallel.grid import ParallelDims, build_grid
+    from mg_parallel.tensor_parallel import allreduce_sequence_parallel_grads
 
     torch.set_num_threads(1)
-    grid = build_grid(ParallelDims(ep=2))
-    model = GPTModel(get_config("tiny-moe", vocab_size=200), grid, seed=9)
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(8))
-    loss = model(ids, labels=ids)
-    loss.sum().backward()
-    out: dict[str, object] = {"loss": loss.detach(), "params": {}, "grads": {}}
-    for n, p in model.named_parameters():
-        for key, t in (("params", p.detach()), ("grads", p.grad)):
-            if is_expert_param(p):  # this rank's experts: gather the global [N, ...] tensor
-                parts = [torch.empty_like(t) for _ in range(2)]
-                dist.all_gather(parts, t.contiguous(), group=grid.ep_group)
-                t = torch.cat(parts)
-            out[key][n] = t.clone()
+    out: dict[str, object] = {}
+    for name, (dims, _) in LAYOUTS.items():
+        grid = build_grid(ParallelDims(**dims))
+        model = GPTModel(get_config("tiny-moe", vocab_size=200), grid, seed=9,
+                         sequence_parallel=dims.get("sequence_parallel", False))
+        loss = model(ids, labels=ids)
+        loss.sum().backward()
+        if grid.tp_size > 1:
+            allreduce_sequence_parallel_grads(model, grid.tp_group)
+        out[name] = {"loss": loss.detach(), "params": {n: _global(p.detach(), p, grid) for n, p in
+                                                       model.named_parameters()},
+                     "grads": {n: _global(p.grad, p, grid) for n, p in model.named_parameters()}}
     return out
 
 
-def test_expert_parallel_model_equals_one_process():
+def test_expert_and_tensor_parallel_models_equal_one_process():
     config = get_config("tiny-moe", vocab_size=200)
     ref = GPTModel(config, seed=9)
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(8))
     ref_loss = ref(ids, labels=ids)
     ref_loss.sum().backward()
-    for res in run_distributed(ep_worker, 2):
-        torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=1e-5, rtol=1e-5)
-        for n, p in ref.named_parameters():
-            assert torch.equal(res["params"][n], p.detach()), n  # the same global tensors at any ep
-            # Both ranks' tokens reach each expert: twice the gradient of one copy of the batch.
-            scale = 2 if is_expert_param(p) else 1
-            torch.testing.assert_close(res["grads"][n], scale * p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    for rank_out in run_distributed(layout_worker, 2):
+        for name, (_, both_ranks_tokens) in LAYOUTS.items():
+            res = rank_out[name]
+            torch.testing.assert_close(res["loss"], ref_loss.detach(), atol=1e-5, rtol=1e-5, msg=name)
+            for n, p in ref.named_parameters():
+                assert torch.equal(res["params"][n], p.detach()), (name, n)  # the same global tensors
+                # At ep=2 both ranks' tokens reach each expert: twice the gradient of one copy of the batch.
+                scale = 2 if both_ranks_tokens and is_expert_param(p) else 1
+                torch.testing.assert_close(res["grads"][n], scale * p.grad, atol=1e-5, rtol=1e-4, msg=f"{name} {n}")
 
 
 def test_streaming_conversion_plans_the_expert_tensors_on_meta():
