@@ -168,7 +168,7 @@ def test_presets_and_counts():
 def test_config_errors_name_the_key():
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, **MOE_FIELDS)
     for fields, message in [
-        (dict(moe_router_topk=4), r"model.moe_router_topk need model.num_experts"),
+        (dict(moe_router_topk=4), r"model.moe_router_topk needs model.num_experts"),
         (dict(num_experts=0), r"model.num_experts must be a positive integer"),
         (dict(num_experts=4, moe_router_topk=5), r"model.moe_router_topk=5 exceeds model.num_experts=4"),
         (dict(num_experts=4, moe_layer_freq=[0, 1, 1]), r"model.moe_layer_freq=\[0, 1, 1\] must list 0 \(dense\) or 1"),

@@ -216,8 +216,9 @@ class GPTConfig(ModelConfigBase):
         if self.num_experts is None:
             set_keys = [n for n in moe_keys if getattr(self, n) != defaults[n]]
             if set_keys:
-                raise ValueError(f"{', '.join('model.' + n for n in set_keys)} need model.num_experts; set the number "
-                                 f"of experts or remove them")
+                verb = "needs" if len(set_keys) == 1 else "need"
+                raise ValueError(f"{', '.join('model.' + n for n in set_keys)} {verb} model.num_experts; set the "
+                                 f"number of experts or remove them")
             return
         for name in ("num_experts", "moe_ffn_hidden_size"):
             value = getattr(self, name)
