@@ -25,7 +25,7 @@ from torch import nn
 from mg_models.config import GPTConfig
 from mg_models.heads import classification_loss, full_sequence, last_token_hidden, replicated_linear
 from mg_models.init import normal_init
-from mg_models.layers import RotaryEmbedding
+from mg_models.layers import ContextParallelMask, RotaryEmbedding
 from mg_models.spec import BuildContext, ModuleSpec
 from mg_models.stage import PipelineStageModel
 from mg_models.transformer import TransformerBlock
@@ -41,7 +41,8 @@ from mg_parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask", "document_position_ids"]
+__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask", "context_parallel_inputs",
+           "document_position_ids"]
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -153,6 +154,44 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def context_parallel_inputs(ctx: BuildContext, b: int, s: int, position_ids: torch.Tensor | None,
+                            document_ids: torch.Tensor | None, sliding_window: int | None, device: torch.device
+                            ) -> tuple[torch.Tensor, ContextParallelMask]:
+    """Position ids and the attention mask of this rank's ``s`` tokens when the sequence is split over the
+    context-parallel group (``ctx.cp_size > 1``, load-balanced chunks of :func:`mg_parallel.context_parallel.split_for_cp`).
+
+    Args:
+        position_ids: ``[b, s]`` given positions (already this rank's part), or None for the tokens' global
+            positions (restarting per document when ``document_ids`` are given).
+        document_ids: ``[b, s]`` this rank's part of the packed documents' ids, or None.
+
+    Returns:
+        ``(position_ids [b, s], ContextParallelMask)``.
+    """
+    if position_ids is None:
+        from mg_parallel.context_parallel import cp_position_ids, gather_from_cp, split_for_cp
+
+        if document_ids is not None:  # positions restart per document, which spans ranks: the whole sequence's
+            full = document_position_ids(gather_from_cp(document_ids, ctx.cp_group, seq_dim=1))
+            position_ids = split_for_cp(full, ctx.cp_rank, ctx.cp_size, seq_dim=1)
+        else:
+            position_ids = cp_position_ids(s, ctx.cp_rank, ctx.cp_size, device).expand(b, s)
+    return position_ids, ContextParallelMask(window=sliding_window, document_ids=document_ids)
+
+
+def _check_context_parallel_call(attention_mask: torch.Tensor | None, inference_cache: Any, last_token_only: bool,
+                                 output_mask: torch.Tensor | None, classification: bool) -> None:
+    """Raise ValueError for what a forward cannot do with the sequence split over context-parallel ranks."""
+    unsupported = [name for name, used in (("attention_mask (padding)", attention_mask is not None),
+                                           ("inference_cache", inference_cache is not None),
+                                           ("last_token_only", last_token_only),
+                                           ("output_mask", output_mask is not None),
+                                           ("the classification head", classification)) if used]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} is not supported with parallel.cp > 1 (the sequence is split "
+                         f"over ranks); run it with parallel.cp: 1")
+
+
 def _check_output_mask(mask: torch.Tensor, b: int, s: int, last_token_only: bool) -> None:
     """Raise ValueError unless ``mask`` is a bool [b, s] tensor (and last_token_only is off)."""
     if last_token_only:
@@ -176,6 +215,8 @@ class GPTModel(PipelineStageModel):
     Raises:
         ValueError: the layout does not fit the config (names the field), or a bad layer_range.
     """
+
+    supports_context_parallel = True
 
     def __init__(self, config: GPTConfig, grid: ProcessGrid | None = None, *, pre_process: bool = True,
                  post_process: bool = True, layer_range: tuple[int, int] | None = None,
@@ -241,17 +282,31 @@ class GPTModel(PipelineStageModel):
             Non-last stages: hidden [s(/tp), b, h]. Last stage: loss [b, s] or logits (see above); with the
             classification head, logits [b, num_labels] of each sequence's last non-padding token, or loss [b].
 
+        With ``grid.cp_size > 1`` every ``[b, s]`` argument is this rank's part of the sequence (chunks ``r`` and
+        ``2cp-1-r`` of ``2cp``, :func:`mg_parallel.context_parallel.split_for_cp`), default positions are the
+        tokens' global ones, and the per-token loss is of this rank's tokens (a mean over the whole sequence
+        sums and counts over the cp group); padding masks, KV caches, picked outputs and the classification head
+        are not supported then.
+
         Raises:
-            ValueError: a mask, document ids, labels or output mask of the wrong shape, or a sequence too long.
+            ValueError: a mask, document ids, labels or output mask of the wrong shape, a sequence too long, or
+                (context parallelism) an unsupported argument.
         """
         c = self.config
         b, s = self._batch_and_seq(input_ids)
         offset = inference_cache.offset if inference_cache is not None else 0
-        if offset + s > c.max_position_embeddings and c.position_embedding == "learned":
-            raise ValueError(f"sequence length {offset + s} exceeds model.max_position_embeddings="
+        cp = self.ctx.cp_size  # > 1: s is this rank's part of a sequence cp times longer
+        if cp > 1:
+            _check_context_parallel_call(attention_mask, inference_cache, last_token_only, output_mask,
+                                         not c.has_lm_head)
+        if offset + s * cp > c.max_position_embeddings and c.position_embedding == "learned":
+            raise ValueError(f"sequence length {offset + s * cp} exceeds model.max_position_embeddings="
                              f"{c.max_position_embeddings}")
         device = self.grid.device
-        if position_ids is None:
+        if cp > 1:
+            position_ids, mask = context_parallel_inputs(self.ctx, b, s, position_ids, document_ids,
+                                                         c.sliding_window, device)
+        elif position_ids is None:
             if document_ids is not None:
                 position_ids = document_position_ids(document_ids)[:, offset:offset + s]
             elif attention_mask is not None:
@@ -260,7 +315,8 @@ class GPTModel(PipelineStageModel):
                 position_ids = torch.arange(offset, offset + s, device=device).expand(b, s)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids) if self.rotary is not None else None
-        mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device, document_ids)
+        if cp == 1:
+            mask = build_attention_mask(b, s, offset, attention_mask, c.sliding_window, device, document_ids)
         x = self.decoder(x, rotary, mask, inference_cache)
         if inference_cache is not None:
             inference_cache.advance(s, last_stage=self.post_process)

@@ -28,6 +28,7 @@ __all__ = [
     "MLP",
     "LayerNorm",
     "MLPSubmodules",
+    "ContextParallelMask",
     "RMSNorm",
     "RotaryEmbedding",
     "SelfAttention",
@@ -270,6 +271,17 @@ class MLP(nn.Module):
         return self.linear_fc2(h)
 
 
+@dataclass(frozen=True)
+class ContextParallelMask:
+    """What restricts attention when the sequence is split over the context-parallel group (``ctx.cp_size > 1``),
+    passed where a boolean mask goes otherwise: attention is causal, plus these."""
+
+    window: int | None = None
+    """Sliding window (``model.sliding_window``): a query sees keys at distance ``< window``; None: no window."""
+    document_ids: torch.Tensor | None = None
+    """``[b, s/cp]`` document of each of this rank's tokens (packed sequences, split like the tokens), or None."""
+
+
 @dataclass
 class SelfAttentionSubmodules:
     """Parts of the attention block; q/k layernorm are None unless ``qk_layernorm``."""
@@ -286,6 +298,15 @@ class SelfAttention(nn.Module):
     Heads and query groups are split over tp ranks (each rank holds whole groups). Supports
     rotary embeddings, an explicit boolean mask ``[b, 1, s_q, s_k]`` (True = attend) and a KV
     cache for incremental decoding.
+
+    With ``ctx.cp_size > 1`` the rank holds its load-balanced part of the sequence (chunks ``r`` and
+    ``2cp-1-r``) and attends to the whole sequence through
+    :func:`mg_parallel.context_parallel.context_parallel_attention` over ``ctx.cp_group`` (``ctx.cp_comm``);
+    the mask is then a :class:`ContextParallelMask` or None, and there is no KV cache or attention dropout.
+
+    Raises:
+        ValueError: (construction) context parallelism with attention dropout, or ``cp_comm="a2a"`` with heads
+            or query groups per tp rank not divisible by cp.
     """
 
     def __init__(self, ctx: BuildContext, prefix: str, layer_number: int,
@@ -300,6 +321,8 @@ class SelfAttention(nn.Module):
         self.groups = c.query_groups // ctx.tp_size
         self.q_per_group = c.num_attention_heads // c.query_groups
         self.dropout = c.attention_dropout
+        if ctx.cp_size > 1:
+            _check_context_parallel(ctx, self.heads, self.groups)
         qkv_out = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
         common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype,
                       device=ctx.device)
@@ -318,9 +341,16 @@ class SelfAttention(nn.Module):
             ctx.mark_partial_grads(self.q_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
             ctx.mark_partial_grads(self.k_layernorm, ctx.tp_size > 1 or ctx.sequence_parallel)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
                         dropout: float, is_causal: bool) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with dropout: q [b, heads, s, d], k/v [b, heads, s_k, d] -> [b, heads, s, d]."""
+        """softmax(q k^T / sqrt(d)) v with dropout: q [b, heads, s, d], k/v [b, heads, s_k, d] -> [b, heads, s, d].
+        Under context parallelism k/v keep their groups ([b, groups, s, d]) and ``mask`` is a ContextParallelMask."""
+        if self.ctx.cp_size > 1:
+            from mg_parallel.context_parallel import context_parallel_attention
+
+            cp_mask = mask or ContextParallelMask()
+            return context_parallel_attention(q, k, v, group=self.ctx.cp_group, comm=self.ctx.cp_comm, causal=True,
+                                              window=cp_mask.window, document_ids=cp_mask.document_ids)
         # Attention dropout acts on this rank's heads, so it draws from the per-tp-rank stream.
         with self.ctx.tp_rng() if dropout > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
@@ -341,8 +371,14 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads|groups, s, d]
         if cache is not None:
+            if self.ctx.cp_size > 1:
+                raise ValueError("incremental decoding (a KV cache) is not supported with parallel.cp > 1")
             k, v = cache.update(self.layer_number, k, v)  # [b, groups, offset + s, d]
-        if self.groups != self.heads:
+        if self.ctx.cp_size > 1:
+            if mask is not None and not isinstance(mask, ContextParallelMask):
+                raise ValueError("with parallel.cp > 1 attention takes a ContextParallelMask (window, document ids), "
+                                 "not a dense mask")
+        elif self.groups != self.heads:
             # Query head j uses key/value group j // q_per_group (grouped layout).
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
@@ -357,6 +393,19 @@ class SelfAttention(nn.Module):
             out = self._core_attention(q, k, v, mask, dropout, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, heads*d]
         return self.linear_proj(out)
+
+
+def _check_context_parallel(ctx: BuildContext, heads: int, groups: int) -> None:
+    """Raise ValueError naming the keys when this attention cannot run split over ``ctx.cp_size`` ranks."""
+    c, cp = ctx.config, ctx.cp_size
+    if c.attention_dropout > 0:
+        raise ValueError(f"model.attention_dropout={c.attention_dropout} is not supported with parallel.cp={cp} "
+                         f"(context-parallel attention has no dropout); set it to 0")
+    if ctx.cp_comm == "a2a" and (heads % cp or groups % cp):
+        raise ValueError(
+            f"parallel.cp_comm=a2a splits each tp rank's {heads} attention heads and {groups} query groups "
+            f"(model.num_attention_heads, model.num_query_groups / parallel.tp) over parallel.cp={cp}; both must be "
+            f"divisible by it (or use parallel.cp_comm: p2p or allgather)")
 
 
 class TiedGradient:

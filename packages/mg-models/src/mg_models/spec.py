@@ -52,6 +52,13 @@ class BuildContext:
     tp_rank: int = 0
     sequence_parallel: bool = False
     """Activations between layers are split along the sequence over the tp ranks."""
+    cp_group: Any = None
+    """Context-parallel process group (None: the whole sequence is on this rank)."""
+    cp_size: int = 1
+    """Ranks the sequence is split over (load-balanced chunks, see ``mg_parallel.context_parallel``)."""
+    cp_rank: int = 0
+    cp_comm: str = "p2p"
+    """Context-parallel attention's communication (``parallel.cp_comm``): p2p, allgather or a2a."""
     seed: int = 1234
     """Initialisation seed; each parameter's values derive from (seed, its global name)."""
     rng_tracker: Any = None

@@ -39,12 +39,18 @@ class PipelineStageModel(nn.Module):
         ValueError: the layout does not fit the config (names the field), or a bad layer_range.
     """
 
+    supports_context_parallel = False
+    """Whether the model runs with the sequence split over a context-parallel group (``grid.cp_size > 1``)."""
+
     def __init__(self, config: GPTConfig, grid: ProcessGrid | None, *, pre_process: bool, post_process: bool,
                  layer_range: tuple[int, int] | None, sequence_parallel: bool, seed: int, rng_tracker: Any,
                  recompute: Any, dtype: torch.dtype | None) -> None:
         super().__init__()
         grid = grid or ProcessGrid.single()
         check_parallel(config, grid.tp_size, grid.pp_size)
+        if grid.cp_size > 1 and not self.supports_context_parallel:
+            raise ValueError(f"parallel.cp={grid.cp_size}: context parallelism is only supported for GPT models for "
+                             f"now; use parallel.cp: 1 for {type(self).__name__}")
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= model.num_layers="
@@ -54,7 +60,8 @@ class PipelineStageModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = (start, end)
         self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=grid.tp_size, tp_rank=grid.tp_rank,
-                                sequence_parallel=sequence_parallel and grid.tp_size > 1, seed=seed,
+                                sequence_parallel=sequence_parallel and grid.tp_size > 1, cp_group=grid.cp_group,
+                                cp_size=grid.cp_size, cp_rank=grid.cp_rank, cp_comm=grid.dims.cp_comm, seed=seed,
                                 rng_tracker=rng_tracker, recompute=recompute, device=grid.device, dtype=dtype)
         self.input_tensor: torch.Tensor | None = None
         self.gather_logits_default = False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,8 @@ class ParallelDims:
     """Pipeline-parallel size: the layer stack is split into this many stages."""
     cp: int = 1
     """Context-parallel size: the sequence is split over this many ranks."""
+    cp_comm: Literal["p2p", "allgather", "a2a"] = "p2p"
+    """How context-parallel attention communicates: p2p (ring), allgather (K/V gathered) or a2a (Ulysses)."""
     dp: int | None = None
     """Data-parallel size; ``None`` derives it as ``world_size // (tp * pp * cp)``."""
     world_size: int | None = None
@@ -63,6 +66,10 @@ class ParallelDims:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        # Imported here: mg_parallel.context_parallel imports the mg_parallel package, which imports this module.
+        from mg_parallel.context_parallel.attention import check_cp_comm
+
+        check_cp_comm(self.cp_comm)
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ValueError(f"parallel.dp must be a positive integer or None (derived), got {self.dp!r}")
         if self.vpp > 1 and self.pp == 1:
