@@ -59,8 +59,8 @@ def _switch(counts, psum, tokens, cfg):
     return cfg.moe_aux_loss_coeff * N * (f * (psum / tokens)).sum()
 
 
-def _reference(W, mbs, gouts, cfg, bias=None):
-    """Loss = sum over micro-batches of (out * gout).sum() + their aux/z losses (or the global one)."""
+def _reference(W, mbs, gouts, cfg, bias=None, aux_weight=1.0, z_weight=1.0):
+    """Loss = sum over micro-batches of (out * gout).sum() + weighted aux (or the global one) and z losses."""
     k, act = cfg.moe_router_topk, cfg.moe_expert_activation
     kind = cfg.moe_router_load_balancing_type
     outs, total, global_counts, global_psum, global_tokens = [], 0.0, 0, 0, 0
@@ -102,28 +102,28 @@ def _reference(W, mbs, gouts, cfg, bias=None):
         if cfg.uses_aux_loss:
             counts, full = _aux_stats(logits, cfg)
             if kind == "aux_loss":
-                total = total + _switch(counts, full.sum(0), T, cfg)
+                total = total + aux_weight * _switch(counts, full.sum(0), T, cfg)
             elif kind == "seq_aux_loss":
                 per_seq = []
                 for j in range(x3.shape[1]):
                     tok = [t for t in range(T) if t % x3.shape[1] == j]
                     c, _ = _aux_stats(logits[tok], cfg)
                     per_seq.append(_switch(c, full[tok].sum(0), len(tok), cfg))
-                total = total + torch.stack(per_seq).mean()
+                total = total + aux_weight * torch.stack(per_seq).mean()
             else:
                 global_counts, global_psum = global_counts + counts, global_psum + full.sum(0)
                 global_tokens += T
         if cfg.uses_z_loss:
-            total = total + cfg.moe_z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+            total = total + z_weight * cfg.moe_z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
     if cfg.uses_aux_loss and kind == "global_aux_loss":
-        total = total + _switch(global_counts, global_psum, global_tokens, cfg)
+        total = total + aux_weight * _switch(global_counts, global_psum, global_tokens, cfg)
     return outs, total
 
 
-def _ref_grads(weights, mbs, gouts, cfg, bias=None):
+def _ref_grads(weights, mbs, gouts, cfg, bias=None, aux_weight=1.0, z_weight=1.0):
     W = {n: w.detach().clone().requires_grad_(True) for n, w in weights.items()}
     xs = [x.detach().clone().requires_grad_(True) for x in mbs]
-    outs, total = _reference(W, xs, gouts, cfg, bias)
+    outs, total = _reference(W, xs, gouts, cfg, bias, aux_weight, z_weight)
     total.backward()
     return [o.detach() for o in outs], {n: w.grad for n, w in W.items()}, [x.grad for x in xs], total.detach()
 
@@ -200,9 +200,12 @@ def _run_case(layout, dims, cfg, seed, bias=None, idle=None):
     out = layer(x)
     (out * g_mine).sum().backward()
     mb = grid.dp_rank
-    own_outs, own, own_x, own_loss = _ref_grads(weights, [xs[mb]], [gouts[mb]], cfg, bias)
+    # Gradients are averaged over cp and dp ranks, so each rank's objective is its output term plus its
+    # estimate of the loss: its share times the cp (and, global, dp) ranks the loss spans.
+    weight = {"aux_weight": grid.cp_size * (grid.dp_size if layout == "global" else 1), "z_weight": grid.cp_size}
+    own_outs, own, own_x, own_loss = _ref_grads(weights, [xs[mb]], [gouts[mb]], cfg, bias, **weight)
     if layout == "global":  # one loss over every rank's tokens: its input gradient on each rank
-        own_x = [_ref_grads(weights, list(xs), list(gouts), cfg)[2][mb]]
+        own_x = [_ref_grads(weights, list(xs), list(gouts), cfg, **weight)[2][mb]]
     msg = lambda what: lambda m: f"rank {grid.rank} {case} {what}: {m}"  # noqa: E731
     assert_close(out, own_outs[0].chunk(split[0])[split[1]], **TOL, msg=msg("output"))
     assert_close(x.grad, own_x[0].chunk(split[0])[split[1]], **TOL, msg=msg("input grad"))
@@ -213,7 +216,8 @@ def _run_case(layout, dims, cfg, seed, bias=None, idle=None):
         group = {name: sum(p[name] for p in peers) for name in ("w1", "w2")}
         router_grad, expected = layer.router.weight.grad, own["router"]
         if layout == "global":  # one loss over every rank's tokens: the ranks' shares add up to its gradient
-            router_grad, expected = sum(_gathered(router_grad)), _ref_grads(weights, list(xs), list(gouts), cfg)[1]["router"]
+            router_grad = sum(_gathered(router_grad))
+            expected = _ref_grads(weights, list(xs), list(gouts), cfg, **weight)[1]["router"]
         assert_close(router_grad, expected, **TOL, msg=msg("router grad"))
     else:
         group = own

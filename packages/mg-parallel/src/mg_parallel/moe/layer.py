@@ -94,7 +94,8 @@ class MoELayer(nn.Module):
         replicated_over_tp_shards = groups.sequence_parallel and not groups.gathers_sequence
         kw = dict(dtype=dtype, device=device)
         self.router = TopKRouter(hidden_size, num_experts, config, seq_groups=groups.seq_groups,
-                                 dp_groups=(groups.dp_group,), **kw)
+                                 dp_groups=(groups.dp_group,), grad_average_groups=(groups.cp_group, groups.dp_group),
+                                 **kw)
         if replicated_over_tp_shards:
             self.router.weight.sequence_parallel = True
         expert_kw = dict(activation=config.moe_expert_activation, tp_group=groups.expert_tp_group,

@@ -17,7 +17,11 @@ parallelism), the counts, probability sums and z sums are summed over those ``se
 the global loss, ``dp_groups``) in one all-reduce per group, so the loss is that of its definition's
 tokens. Each rank then keeps in its graph only its *share*, the loss with ``P_i`` (and the z sum)
 restricted to its own tokens: the shares of the ranks add up to the loss, and so do their
-gradients. The counts carry no gradient, so no collective runs in backward.
+gradients. The counts carry no gradient, so no collective runs in backward. Gradients are
+*averaged* over the data- and context-parallel ranks (DDP over ``dp_cp_group``), where each rank's
+loss estimates the whole objective; so a share reduced over such ``grad_average_groups`` enters the
+graph multiplied by their size (cp for the micro-batch losses, cp·dp for the global one), and the
+averaged gradient is that of the loss. Sequence-parallel gradients are summed: no factor for tp.
 
 **No tracker collectives.** The share is attached to the router's output probabilities by
 :class:`_AttachAuxLoss` (forward: identity; backward: also gives the share the gradient
@@ -83,6 +87,8 @@ class TopKRouter(nn.Module):
         seq_groups: groups over which one micro-batch's tokens are split (the context-parallel group,
             and the tensor-parallel group under sequence parallelism); their statistics are summed there.
         dp_groups: the data-parallel groups; the global aux loss and the expert bias sum over them too.
+        grad_average_groups: those of ``seq_groups`` and ``dp_groups`` over which gradients are averaged
+            rather than summed (the layer passes the cp and dp groups).
         dtype, device: of the gate weight ``[N, h]`` (initialised ``normal(0, 0.02)``).
 
     Attributes:
@@ -94,7 +100,8 @@ class TopKRouter(nn.Module):
 
     def __init__(
         self, hidden_size: int, num_experts: int, config: MoEConfig, *, seq_groups: Groups = (),
-        dp_groups: Groups = (), dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        dp_groups: Groups = (), grad_average_groups: Groups = (), dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if config.moe_router_topk > num_experts:
@@ -103,6 +110,7 @@ class TopKRouter(nn.Module):
             )
         self.config, self.num_experts, self.topk = config, num_experts, config.moe_router_topk
         self.seq_groups, self.dp_groups = tuple(seq_groups), tuple(dp_groups)
+        self.grad_average_groups = tuple(g for g in grad_average_groups if group_size(g) > 1)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
         self.weight.tensor_parallel = False
         if self.weight.device.type != "meta":
@@ -205,11 +213,16 @@ class TopKRouter(nn.Module):
             batches = psum.shape[0] if kind == "seq_aux_loss" else 1
             scale = cfg.moe_aux_loss_coeff * n / (k * tokens_aux * tokens_aux * batches)
             self.losses["load_balancing_loss"] = scale * (counts * psum_all).sum()
-            share = share + scale * (counts * psum).sum()
+            over = self.seq_groups + (self.dp_groups if kind == "global_aux_loss" else ())
+            share = share + self._averaged_over(over) * scale * (counts * psum).sum()
         if z:
             self.losses["z_loss"] = cfg.moe_z_loss_coeff * flat[-1] / tokens
-            share = share + cfg.moe_z_loss_coeff * zsum / tokens
+            share = share + self._averaged_over(self.seq_groups) * cfg.moe_z_loss_coeff * zsum / tokens
         return share
+
+    def _averaged_over(self, groups: Groups) -> int:
+        """Product of the sizes of the groups in ``groups`` whose gradients are averaged."""
+        return math.prod(group_size(g) for g in self.grad_average_groups if any(g is h for h in groups))
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
