@@ -279,3 +279,20 @@ def test_streaming_conversion_plans_the_expert_tensors_on_meta():
     assert hf["model.layers.1.mlp.shared_expert.gate_proj.weight"][0] == (32, 64)
     back = converted_specs(groups, lambda n: hf[n], "mg")
     assert {n: s for n, s, _ in back} == {n: tuple(t.shape) for n, t in state.items()}
+
+
+def test_fused_experts_of_a_loaded_model_convert_alike(saved, tmp_path):
+    """transformers 5.x's in-memory state dict (experts.gate_up_proj [N, 2f, h]) and a save_original_format=False
+    directory give the same mg state as the checkpoint's per-expert tensors."""
+    from mg_models.hf import state_from_hf
+
+    name, hf, path = saved
+    config, state, _ = read_hf_directory(path)
+    memory = hf.state_dict()
+    assert any(k.endswith("experts.gate_up_proj") for k in memory)
+    fused = state_from_hf(memory, config, name)
+    assert sorted(fused) == sorted(state) and all(torch.equal(fused[k], v) for k, v in state.items())
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    assert any(k.endswith("experts.gate_up_proj") for k in load_file(str(tmp_path / "model.safetensors")))
+    again = read_hf_directory(tmp_path)[1]
+    assert all(torch.equal(again[k], v) for k, v in state.items())

@@ -50,13 +50,16 @@ def config_from_hf(hf_config: dict[str, Any], where: str = "config.json") -> GPT
 
 
 def state_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig, model_type: str) -> dict[str, torch.Tensor]:
-    """Unsharded mg state dict from a Hugging Face one.
+    """Unsharded mg state dict from a Hugging Face one (for the MoE types, with experts per tensor as checkpoint
+    files store them, or fused as transformers 5.x holds them in memory).
 
     Raises:
         ValueError: tensors missing from, or left over in, the Hugging Face state dict.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     adapter = _adapter(model_type, "state_from_hf")
+    if isinstance(adapter, moe.ExpertLayout):  # experts per tensor (checkpoint files) or fused (in memory)
+        adapter = moe.layout_of(hf_state, adapter)
     try:
         out = adapter.state_from_hf(hf_state, config)
     except KeyError as e:

@@ -16,10 +16,13 @@ Hugging Face (per expert ``e``, weights ``[out, in]``)       mg (``decoder.layer
 ==========================================================  =======================================
 
 Mixtral's block is ``model.layers.{i}.block_sparse_moe``, Qwen's ``model.layers.{i}.mlp``: the names of
-the checkpoint files (transformers 5.x fuses the experts into ``experts.gate_up_proj [N, 2f, h]`` and
-``experts.down_proj [N, h, f]`` in memory only and writes these per-expert names back). Each
-projection of a layer's experts is one :class:`~mg_models.hf.groups.TensorGroup`, so a streaming
-conversion holds one layer's gate and up weights (or its down weights) at a time.
+the checkpoint files. transformers 5.x fuses the experts in memory into ``mlp.experts.gate_up_proj
+[N, 2f, h]`` (gate rows, then up rows) and ``mlp.experts.down_proj [N, h, f]`` (Mixtral's block renamed
+``mlp`` too) and writes the per-expert names back unless saved with ``save_original_format=False``;
+:func:`layout_of` picks :data:`FUSED` for a state dict with those names (``model.state_dict()`` of a
+loaded model, or such a directory). Each projection of a layer's experts is one
+:class:`~mg_models.hf.groups.TensorGroup`, so a streaming conversion holds one layer's gate and up
+weights (or its down weights) at a time.
 
 Routing: Mixtral takes the top k logits and a softmax over them (``moe_router_pre_softmax=False``);
 Qwen takes a softmax over every expert, then the top k (``moe_router_pre_softmax=True``), renormalised
@@ -32,6 +35,7 @@ Hugging Face's balancing loss counts each of the k choices as a whole token, k t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -41,7 +45,8 @@ from mg_models.hf import llama
 from mg_models.hf.common import head_to_hf
 from mg_models.hf.groups import TensorGroup, rename, to_hf_state, to_mg_state
 
-__all__ = ["MIXTRAL", "MOE_MODEL_TYPES", "QWEN_MOE", "ExpertLayout", "config_from_hf", "config_to_hf"]
+__all__ = ["FUSED", "MIXTRAL", "MOE_MODEL_TYPES", "QWEN_MOE", "ExpertLayout", "config_from_hf", "config_to_hf",
+           "layout_of"]
 
 _BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 _PREFIX = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
@@ -177,6 +182,22 @@ def _down_to_hf(w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(w2[e].t().contiguous() for e in range(w2.shape[0]))
 
 
+def _fused_gate_up_to_mg(gate_up: torch.Tensor) -> tuple[torch.Tensor]:
+    """``gate_up_proj [N, 2f, h]`` (gate rows, then up rows) -> ``w1 [N, h, 2, f]``."""
+    n, f2, h = gate_up.shape
+    return (gate_up.reshape(n, 2, f2 // 2, h).permute(0, 3, 1, 2).contiguous(),)
+
+
+def _fused_gate_up_to_hf(w1: torch.Tensor) -> tuple[torch.Tensor]:
+    n, h, _, f = w1.shape
+    return (w1.permute(0, 2, 3, 1).reshape(n, 2 * f, h).contiguous(),)
+
+
+def _swap_last(t: torch.Tensor) -> tuple[torch.Tensor]:
+    """``down_proj [N, h, f]`` <-> ``w2 [N, f, h]``."""
+    return (t.transpose(1, 2).contiguous(),)
+
+
 def _expert_groups(hf_experts: list[str], mg: str, gate: str, up: str, down: str) -> list[TensorGroup]:
     """Gate+up of the experts named ``hf_experts`` -> ``{mg}.w1``, their down -> ``{mg}.w2``."""
     return [TensorGroup(tuple(f"{e}.{p}.weight" for e in hf_experts for p in (gate, up)), (f"{mg}.w1",),
@@ -196,6 +217,9 @@ class ExpertLayout:
     """The MoE block under ``model.layers.{i}``: ``block_sparse_moe`` (Mixtral) or ``mlp`` (Qwen)."""
     projections: tuple[str, str, str]
     """Per-expert gate, up and down names: ``(w1, w3, w2)`` (Mixtral) or ``(gate_proj, up_proj, down_proj)``."""
+    fused: bool = False
+    """The experts are ``experts.gate_up_proj [N, 2f, h]`` and ``experts.down_proj [N, h, f]`` (transformers 5.x
+    in memory); ``projections`` is then unused."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> GPTConfig:
         """See :func:`config_from_hf`."""
@@ -209,7 +233,13 @@ class ExpertLayout:
         """The groups of MoE layer ``i``'s MLP: router, experts' w1 and w2, and the shared expert and its gate."""
         b, m = f"model.layers.{i}.{self.block}", f"decoder.layers.{i}.mlp"
         groups = [rename(f"{b}.gate.weight", f"{m}.router.weight")]
-        groups += _expert_groups([f"{b}.experts.{e}" for e in range(c.num_experts)], f"{m}.experts", *self.projections)
+        if self.fused:
+            groups += [TensorGroup((f"{b}.experts.gate_up_proj",), (f"{m}.experts.w1",), _fused_gate_up_to_mg,
+                                   _fused_gate_up_to_hf),
+                       TensorGroup((f"{b}.experts.down_proj",), (f"{m}.experts.w2",), _swap_last, _swap_last)]
+        else:
+            groups += _expert_groups([f"{b}.experts.{e}" for e in range(c.num_experts)], f"{m}.experts",
+                                     *self.projections)
         if c.moe_shared_expert_intermediate_size is not None:
             groups += _expert_groups([f"{b}.shared_expert"], f"{m}.shared_experts", "gate_proj", "up_proj", "down_proj")
             if c.moe_shared_expert_gate:
@@ -233,3 +263,10 @@ MIXTRAL = ExpertLayout(block="block_sparse_moe", projections=("w1", "w3", "w2"))
 """Adapter of ``mixtral``."""
 QWEN_MOE = ExpertLayout(block="mlp", projections=("gate_proj", "up_proj", "down_proj"))
 """Adapter of ``qwen2_moe`` and ``qwen3_moe``."""
+FUSED = ExpertLayout(block="mlp", projections=("gate_proj", "up_proj", "down_proj"), fused=True)
+"""The layout of all three types in transformers 5.x's memory (and its ``save_original_format=False`` files)."""
+
+
+def layout_of(names: Collection[str], layout: ExpertLayout) -> ExpertLayout:
+    """:data:`FUSED` when ``names`` (of a Hugging Face state dict) hold fused experts, else ``layout``."""
+    return FUSED if any(n.endswith(".experts.gate_up_proj") for n in names) else layout
