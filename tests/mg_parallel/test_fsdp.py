@@ -107,14 +107,16 @@ def reference(tied: bool = True, clip: float = CLIP) -> list[dict[str, torch.Ten
 def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers: bool = True,
                shard_size: int | None = None, micro: int = 2, tied: bool = True, clip: float = CLIP,
                offload: bool = False, schedule: bool = False, reshard_after_forward: bool = True,
-               sp: bool = False) -> float:
+               sp: bool = False, cp: int = 1) -> float:
     """Train under apply_fsdp on this rank's share of each batch (``micro`` micro-batches); returns the largest
     difference of this rank's parameter shards from the reference's after any step.
 
     ``split_layers=False`` builds plain (unsplit) layers at tp > 1: every tp rank then trains its own dp
-    replica, and the grad norm must count each of its parameters once.
+    replica, and the grad norm must count each of its parameters once. ``cp``: each context-parallel rank
+    takes 1/cp of every sequence (the blocks are per token, so no attention is needed to check the
+    averaging over dp x cp).
     """
-    grid = build_grid(ParallelDims(tp=tp))
+    grid = build_grid(ParallelDims(tp=tp, cp=cp))
     model = Net(grid.tp_group if split_layers else None, tied, sp)
     if not split_layers:
         for p in model.parameters():
@@ -128,7 +130,8 @@ def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers
     for (tokens, target), ref in zip(batches(), want, strict=True):
         opt.zero_grad()
         mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
-        micros = list(zip(tokens[mine].chunk(micro), target[mine].chunk(micro)))
+        tokens, target = (t[mine].chunk(cp, dim=1)[grid.cp_rank] for t in (tokens, target))
+        micros = list(zip(tokens.chunk(micro), target.chunk(micro)))
         if schedule:  # the pipeline package's micro-batch loop drives forward and backward
             forward_backward_no_pipelining(lambda b, m: (m(*b), lambda loss: (loss, {})), iter(micros), [model],
                                            micro, grid, tensor_shape=(1,), finalize_grads=finalize_fsdp_grads)
@@ -270,6 +273,7 @@ def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, to
         "hsdp 2x2, no reshard after forward": train_fsdp(tied_ref, shard_size=2, reshard_after_forward=False),
         "tp2 x dp2": train_fsdp(tied_ref, tp=2),
         "tp2 sequence parallel x dp2": train_fsdp(tied_ref, tp=2, sp=True),
+        "dp2 x cp2, hsdp 2x2 over dp x cp": train_fsdp(tied_ref, cp=2, shard_size=2),
         "pp2 x dp2 1f1b": train_pipeline(tied_ref),
         "memory dp4/dp1": memory_ratio(),
         "bf16 loss": bf16_loss_error(),
