@@ -22,7 +22,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from mg_parallel.moe import MoEConfig, MoELayer
+from mg_parallel.moe import MoEConfig, MoELayer, grouped_mm_supported
 
 
 def _time(step: Callable[[], None], inner: int) -> float:
@@ -84,7 +84,7 @@ def main() -> None:
     w1 = gate_up.view(n, 2, f, h).permute(0, 3, 1, 2).contiguous()  # [E, h, 2, f]
     w2 = down.transpose(1, 2).contiguous()  # [E, f, h]
     layers = {}
-    for grouped in (None, False):
+    for grouped in ((True,) if grouped_mm_supported(h, 2 * f, torch.float32, torch.device("cpu")) else ()) + (False,):
         cfg = MoEConfig(moe_router_topk=k, moe_router_pre_softmax=True, moe_router_norm_topk_prob=True,
                         moe_router_load_balancing_type="none", moe_grouped_gemm=grouped)
         layer = MoELayer(h, f, n, cfg, init_method=lambda w: w.copy_(w1 if w.dim() == 4 else w2))

@@ -14,10 +14,12 @@ projection is ``[num_experts, ...]`` and this rank's block starts at ``r * E_loc
 needs); every expert parameter carries the tags it reads (``expert_parallel``, ``num_experts``,
 ``ep_rank``, and the tensor-parallel tags of ``tensor_parallel.utils``).
 
-**Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (used when
-this torch build runs it forward and backward for the weights' dtype, device and sizes, checked
-once with a tiny probe); ``loop`` runs one matmul per expert that received tokens. An expert that
-receives no token gets a zero gradient on either path.
+**Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (chosen by
+default on accelerators where this torch build runs it forward and backward for the weights' dtype
+and sizes, checked once with a tiny probe); ``loop`` runs one matmul per expert, written into one
+output and, in backward, straight into one weight-gradient tensor (the default on the CPU, where it
+measured faster than the CPU build of ``_grouped_mm``). An expert that receives no token gets a zero
+gradient on either path.
 """
 
 from __future__ import annotations
@@ -49,6 +51,31 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _LoopedMM(torch.autograd.Function):
+    """``x_e @ w[e]`` for each expert's row block, written into one output (no cat); backward writes each
+    expert's weight gradient straight into one ``[E, in, out]`` tensor (no stack, zeros for idle experts)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.splits = splits
+        out = x.new_empty((x.shape[0], w.shape[-1]))
+        for xe, we, oe in zip(x.split(splits), w.unbind(0), out.split(splits)):
+            torch.mm(xe, we, out=oe)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x, grad_w = torch.empty_like(x), torch.empty_like(w)
+        for xe, we, ge, gxe, gwe in zip(x.split(ctx.splits), w.unbind(0), grad.split(ctx.splits),
+                                        grad_x.split(ctx.splits), grad_w.unbind(0)):
+            torch.mm(ge, we.t(), out=gxe)
+            torch.mm(xe.t(), ge, out=gwe)  # an expert without rows: a zero gradient
+        return grad_x, grad_w, None
 
 
 def grouped_mm_supported(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -176,15 +203,18 @@ class GroupedExperts(nn.Module):
         if grouped and not supported:
             raise ValueError("moe_grouped_gemm=True but torch._grouped_mm does not run for these weights here; "
                              "set it to null (auto) or false")
-        self.path = "grouped_mm" if (supported if grouped is None else grouped) else "loop"
+        # Auto: grouped_mm off the CPU only. The CPU build runs it as a loop over groups and then stacks
+        # the weight gradients, which measured slower than _LoopedMM (benchmarks/bench_moe.py).
+        auto = supported and self.w1.device.type != "cpu"
+        self.path = "grouped_mm" if (auto if grouped is None else grouped) else "loop"
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
+        if w.dtype != x.dtype:  # e.g. under autocast, where the activations arrive in the autocast dtype
+            w = w.to(x.dtype)
         if self.path == "grouped_mm":
             offs = torch.cumsum(counts, 0).to(torch.int32)
             return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-        # unbind, not w[i]: its backward stacks the experts' gradients once instead of adding a full-size
-        # zero tensor per expert. Every expert multiplies, even with 0 rows, so each gets a (zero) gradient.
-        return torch.cat([xe @ we for xe, we in zip(torch.split(x, splits), w.unbind(0))])
+        return _LoopedMM.apply(x.contiguous(), w.contiguous(), splits)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [M, h]`` grouped by local expert with ``tokens_per_expert [E_local]`` rows each -> ``[M, h]``."""
