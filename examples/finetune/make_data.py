@@ -134,6 +134,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 CODEGEN_HELD_OUT = 0.5
 """Share of the functions with runnable doctest examples that become evaluation problems."""
+SEEN_REPEATS = 24
+"""How often each seen problem's function is in the code-generation training documents."""
 
 
 def _imports(tree: ast.Module) -> dict[str, str]:
@@ -219,6 +221,11 @@ def make_codegen(out: Path) -> None:
     keys = {p["task_id"] for p in held}
     docs = [{"text": fn.source} for fn in all_functions()
             if fn.header and fn.key not in keys and len(fn.source) <= 3000]
+    # The seen problems' functions again, SEEN_REPEATS more times, so that a model this small can learn them by
+    # heart: their pass@k checks the whole path (prompt, generation with its indentation, execution, test).
+    # (as the problem shows them: the imports the function uses, then the function)
+    docs += [{"text": p["prompt"] + p["canonical_solution"]} for p in seen] * SEEN_REPEATS
+    random.Random(SEED).shuffle(docs)
     write_jsonl(out / "codegen" / "train.jsonl", docs)
     write_jsonl(out / "codegen" / "problems.jsonl", held)
     write_jsonl(out / "codegen" / "seen_problems.jsonl", seen)
