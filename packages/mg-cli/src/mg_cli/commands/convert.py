@@ -17,7 +17,7 @@ import click
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "generation_config.json", "spiece.model", "vocab.txt")
-_GPT_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+_GPT_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """GPT-family Hugging Face model types (mg_models.hf.SUPPORTED_MODEL_TYPES; spelled out so --help imports no torch)."""
 # Token ids of config.json kept through an import and restored on export.
 _TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
