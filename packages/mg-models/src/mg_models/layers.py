@@ -35,6 +35,7 @@ __all__ = [
     "SelfAttentionSubmodules",
     "TiedGradient",
     "apply_rotary",
+    "check_context_parallel",
     "gelu_tanh",
     "norm_class",
     "rotary_frequencies",
@@ -321,8 +322,7 @@ class SelfAttention(nn.Module):
         self.groups = c.query_groups // ctx.tp_size
         self.q_per_group = c.num_attention_heads // c.query_groups
         self.dropout = c.attention_dropout
-        if ctx.cp_size > 1:
-            _check_context_parallel(ctx, self.heads, self.groups)
+        check_context_parallel(c, ctx.tp_size, ctx.cp_size, ctx.cp_comm)
         qkv_out = (c.num_attention_heads + 2 * c.query_groups) * c.head_dim
         common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype,
                       device=ctx.device)
@@ -395,13 +395,25 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out)
 
 
-def _check_context_parallel(ctx: BuildContext, heads: int, groups: int) -> None:
-    """Raise ValueError naming the keys when this attention cannot run split over ``ctx.cp_size`` ranks."""
-    c, cp = ctx.config, ctx.cp_size
-    if c.attention_dropout > 0:
-        raise ValueError(f"model.attention_dropout={c.attention_dropout} is not supported with parallel.cp={cp} "
+def check_context_parallel(config: Any, tp: int, cp: int, comm: str) -> None:
+    """Check that GPT attention of ``config`` can run with the sequence split over ``cp`` ranks (no collective).
+
+    Args:
+        config: a ``GPTConfig``.
+        tp, cp: tensor- and context-parallel sizes.
+        comm: ``parallel.cp_comm`` (``"a2a"`` splits each tp rank's heads and query groups over cp).
+
+    Raises:
+        ValueError: naming the keys: attention dropout (context-parallel attention has none), or ``a2a`` with
+            heads or query groups per tp rank not divisible by cp.
+    """
+    if cp == 1:
+        return
+    if config.attention_dropout > 0:
+        raise ValueError(f"model.attention_dropout={config.attention_dropout} is not supported with parallel.cp={cp} "
                          f"(context-parallel attention has no dropout); set it to 0")
-    if ctx.cp_comm == "a2a" and (heads % cp or groups % cp):
+    heads, groups = config.num_attention_heads // tp, config.query_groups // tp
+    if comm == "a2a" and (heads % cp or groups % cp):
         raise ValueError(
             f"parallel.cp_comm=a2a splits each tp rank's {heads} attention heads and {groups} query groups "
             f"(model.num_attention_heads, model.num_query_groups / parallel.tp) over parallel.cp={cp}; both must be "

@@ -24,6 +24,7 @@ __all__ = ["build_model_chunks", "check_model_layout", "model_config", "wrap_and
 def check_model_layout(cfg: Any, config: RunConfig) -> None:
     """Divisibility of heads, groups, ffn and layers by the layout, and what a family cannot do (no collective)."""
     from mg_models.config import check_parallel
+    from mg_models.layers import check_context_parallel
 
     p = config.parallel
     if config.model.type == "t5":
@@ -36,6 +37,8 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
                             "(optionally with parallel.recompute_num_layers) or leave it unset")
     try:
         check_parallel(cfg, p.tp, p.pp)
+        if config.model.type == "gpt":
+            check_context_parallel(cfg, p.tp, p.cp, p.cp_comm)
     except ValueError as e:
         raise TrainingError(str(e)) from None
     if cfg.num_layers % (p.pp * p.vpp):

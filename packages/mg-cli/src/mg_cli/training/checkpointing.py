@@ -44,8 +44,8 @@ def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: boo
     """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
     tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
     rank, count = 0, 1
-    if not dp_sharded:
-        rank, count = grid.dp_rank, grid.dp_size
+    if not dp_sharded:  # replicated over dp x cp (the distributed optimizer shards over both)
+        rank, count = grid.cp_rank + grid.cp_size * grid.dp_rank, grid.dp_size * grid.cp_size
     if not tp_sharded:
         rank, count = rank * grid.tp_size + grid.tp_rank, count * grid.tp_size
     return rank, count
@@ -179,7 +179,8 @@ def save(saver: CheckpointSaver, save_dir: str, iteration: int, chunks: list[tor
     state.update(opt_pieces)
     extra = dict(extra)
     extra["optimizer"] = {k: v for k, v in opt_state.items() if k != "chunks"}
-    layout = {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "world_size": grid.world_size}
+    layout = {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "world_size": grid.world_size,
+              **({"cp": grid.cp_size} if grid.cp_size > 1 else {})}
     # An async save copies the state while the next step's forward and backward run (they only
     # read it); the loop calls saver.wait_for_snapshot() before the optimizer step mutates it.
     return saver.save(save_dir, iteration, state, extra=extra, layout=layout, async_save=async_save,

@@ -1,8 +1,10 @@
 """Training and validation data for a run: datasets, the layout-independent sampler, micro-batches.
 
 Sample order is a function of (seed, data, global batch size) only: global batch ``k`` holds the
-same samples at any tp/pp/dp, and a run resumed at iteration ``n`` continues from global batch
-``n`` (``consumed_samples = n * global_batch_size``).
+same samples at any tp/pp/cp/dp, and a run resumed at iteration ``n`` continues from global batch
+``n`` (``consumed_samples = n * global_batch_size``). Context-parallel ranks are not data-parallel:
+the ranks of a cp group read the same samples and each keeps its load-balanced part of every
+``[b, s]`` tensor (chunks ``r`` and ``2cp-1-r``, ``mg_parallel.context_parallel.split_for_cp``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mg_data import (
     build_t5_datasets,
 )
 from mg_data.torch_adapter import build_data_loader
+from mg_parallel.context_parallel import split_for_cp
 from mg_parallel.grid import ProcessGrid
 
 
@@ -150,8 +153,10 @@ class RunData:
         )
         loader = build_data_loader(dataset, sampler, num_workers=workers,
                                    pin_memory=self.grid.device.type == "cuda")
-        device = self.grid.device
+        device, grid = self.grid.device, self.grid
         for batch in loader:
+            if grid.cp_size > 1:  # every cp rank gets the same samples and keeps its load-balanced part of each
+                batch = {k: split_for_cp(v, grid.cp_rank, grid.cp_size, seq_dim=1) for k, v in batch.items()}
             yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -237,15 +237,37 @@ def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _gpt_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+def context_parallel_masked_mean(per_token: torch.Tensor, mask: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    """This context-parallel rank's share of the masked mean over whole sequences, times cp (a collective over
+    ``cp_group``).
+
+    ``per_token`` and ``mask`` [b, s/cp] are this rank's tokens. The mask is counted over the whole sequence,
+    so the cp ranks' values sum to cp times the mean one process computes; the schedules' loss average and the
+    gradient average over dp x cp then give exactly its loss and gradients.
+    """
+    import torch.distributed as dist
+
+    mask = mask.float()
+    count = mask.sum()
+    dist.all_reduce(count, group=cp_group)
+    return (per_token.float() * mask).sum() * dist.get_world_size(cp_group) / count.clamp(min=1)
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    if cp_group is None:
+        return _masked_mean(per_token, mask)
+    return context_parallel_masked_mean(per_token, mask, cp_group)
+
+
+def _gpt_step(batch: dict[str, torch.Tensor], chunk: Any, *, cp_group: Any = None) -> tuple[Any, Any]:
     output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"])
-    return output, lambda per_token: (_masked_mean(per_token, batch["loss_mask"]), {})
+    return output, lambda per_token: (_token_mean(per_token, batch["loss_mask"], cp_group), {})
 
 
-def _sft_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
+def _sft_step(batch: dict[str, torch.Tensor], chunk: Any, *, cp_group: Any = None) -> tuple[Any, Any]:
     output = chunk(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
                    document_ids=batch["document_ids"])
-    return output, lambda per_token: (_masked_mean(per_token, batch["loss_mask"]), {})
+    return output, lambda per_token: (_token_mean(per_token, batch["loss_mask"], cp_group), {})
 
 
 def _gpt_classification_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
@@ -285,8 +307,8 @@ def _t5_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
     return per_token, loss_fn
 
 
-def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain"
-                     ) -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
+def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain", *,
+                     cp_group: Any = None) -> Callable[[dict[str, Any], Any], tuple[Any, Any]]:
     """``forward_step(batch, chunk) -> (output, loss_fn)`` of ``family`` and ``data_format`` for the pipeline
     schedules.
 
@@ -294,8 +316,11 @@ def forward_step_for(family: str, sentence_task: str = "sop", data_format: str =
     (``lm_loss``, ``sop_loss``/``nsp_loss``) to log. ``sft``: packed conversations, every stage getting their
     ``document_ids`` (no attention across conversations) and ``position_ids`` (restarting per conversation);
     ``classification``: the mean of the per-sample losses of the head; t5's ``seq2seq`` samples are shaped like
-    its pretraining samples.
+    its pretraining samples. ``cp_group`` (gpt, a context-parallel group of more than one rank): the batch holds
+    this rank's part of every sequence and the loss is :func:`context_parallel_masked_mean`.
     """
+    if cp_group is not None and family == "gpt" and data_format in ("pretrain", "sft"):
+        return functools.partial(_sft_step if data_format == "sft" else _gpt_step, cp_group=cp_group)
     if data_format == "sft":
         return _sft_step
     if data_format == "classification":

@@ -108,7 +108,8 @@ def effective_settings(run: Any) -> dict[str, Any]:
     Keys: tp, pp, dp, vpp (model chunks on this rank), sequence_parallel, distributed_optimizer,
     recompute ("none", "full" or "full:<k> layers"), precision (of the model parameters),
     micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
-    no_pipelining, 1f1b or interleaved).
+    no_pipelining, 1f1b or interleaved); with context parallelism (cp > 1) also cp and cp_comm, as the
+    model's attention runs them.
     """
     from mg_parallel.precision import PRECISION_NAMES, Precision
 
@@ -126,6 +127,7 @@ def effective_settings(run: Any) -> dict[str, Any]:
         "sequence_parallel": bool(ctx.sequence_parallel), "distributed_optimizer": bool(run.optimizer.distributed),
         "recompute": recompute, "precision": precision, "micro_batches": run.num_micro,
         "schedule": run.forward_backward.__name__.removeprefix("forward_backward_"),
+        **({"cp": ctx.cp_size, "cp_comm": ctx.cp_comm} if ctx.cp_size > 1 else {}),
     }
 
 

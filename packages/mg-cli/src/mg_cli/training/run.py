@@ -89,17 +89,19 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     if load_path is not None:
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
     data = RunData(config, grid, plan.tokenizer)
-    seq = config.model.seq_length
+    seq = config.model.seq_length // grid.cp_size  # this rank's tokens of each sample
     family, task = config.model.type, config.data.sentence_task
     return Run(
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
         forward_backward=get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None),
-        forward_step=forward_step_for(family, task, config.data.format),
+        forward_step=forward_step_for(family, task, config.data.format,
+                                      cp_group=grid.cp_group if grid.cp_size > 1 else None),
         logged_losses=logged_losses(family, task, config.data.format),
         dtype=Precision.from_name(t.precision).param_dtype,
         tensor_shape=(seq // grid.tp_size if dims.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
-        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, seq, config.data.format,
+        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, config.model.seq_length,
+                                             config.data.format,
                                              recompute=config.parallel.recompute_granularity == "full"),
         saver=saver, start_iter=start_iter, init_report=init_report, labels=plan.labels,
         tokenizer=plan.tokenizer,
@@ -137,4 +139,5 @@ def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, mod
 def layout_key(grid: Any, config: RunConfig) -> str:
     """Identifies a layout in checkpoints: RNG streams are restored only at the same one."""
     do = int(config.parallel.use_distributed_optimizer)
-    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}"
+    cp = f"-cp{grid.cp_size}" if grid.cp_size > 1 else ""
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}{cp}"

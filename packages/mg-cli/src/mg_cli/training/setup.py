@@ -110,9 +110,7 @@ def check_config(config: RunConfig, env: Env) -> Any:
         dims = config.make(ParallelDims).resolve(env.world_size)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    if dims.cp > 1:
-        raise TrainingError(f"parallel.cp={dims.cp}: context parallelism is not supported by mg train yet; "
-                            f"set parallel.cp: 1")
+    check_context_parallel_run(config, dims)
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise TrainingError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp = "
@@ -125,15 +123,42 @@ def check_config(config: RunConfig, env: Env) -> Any:
             f"the interleaved schedule (parallel.vpp={dims.vpp}) needs micro-batches per step ({num_micro}) to be a "
             f"multiple of parallel.pp={dims.pp}; change train.global_batch_size or train.micro_batch_size"
         )
-    if dims.sequence_parallel and config.model.seq_length % dims.tp:
+    if dims.sequence_parallel and (config.model.seq_length // dims.cp) % dims.tp:
+        per_rank = f" / parallel.cp={dims.cp} = {config.model.seq_length // dims.cp}" if dims.cp > 1 else ""
         raise TrainingError(
-            f"model.seq_length={config.model.seq_length} is not divisible by parallel.tp={dims.tp}, which "
+            f"model.seq_length={config.model.seq_length}{per_rank} is not divisible by parallel.tp={dims.tp}, which "
             f"parallel.sequence_parallel needs"
         )
     if t.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise TrainingError("train.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
     check_files(config)
     return dims
+
+
+def check_context_parallel_run(config: RunConfig, dims: Any) -> None:
+    """What ``parallel.cp > 1`` needs of the run: a GPT model on token data (pretrain or sft) whose ``seq_length``
+    splits into ``2 * cp`` chunks, and no ``eval.tasks`` (they score unsplit sequences).
+
+    Raises:
+        TrainingError: naming the key at fault.
+    """
+    cp, m = dims.cp, config.model
+    if cp == 1:
+        return
+    if m.type != "gpt":
+        raise TrainingError(f"parallel.cp={cp}: context parallelism is only supported for model.type=gpt for now "
+                            f"(not {m.type}); set parallel.cp: 1")
+    if config.data.format not in ("pretrain", "sft"):
+        raise TrainingError(f"parallel.cp={cp} is not supported with data.format={config.data.format} (a "
+                            f"classification head reads whole sequences); set parallel.cp: 1")
+    if config.eval.tasks:
+        raise TrainingError(f"eval.tasks are not supported with parallel.cp={cp}; leave eval.tasks empty and run "
+                            f"`mg eval` on the checkpoint")
+    if m.seq_length % (2 * cp):
+        raise TrainingError(
+            f"model.seq_length={m.seq_length} is not divisible by 2 * parallel.cp = {2 * cp} (each context-parallel "
+            f"rank holds two of 2*cp equal chunks); choose a seq_length that is a multiple of {2 * cp}"
+        )
 
 
 def check_files(config: RunConfig) -> None:

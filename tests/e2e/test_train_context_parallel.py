@@ -1,0 +1,77 @@
+"""`mg train` with context parallelism (``parallel.cp``) against the same run on one process.
+
+Each cp rank of a run reads the same samples as its cp peers and keeps its load-balanced part of every sequence;
+the loss is the masked mean over whole sequences and gradients are averaged over dp x cp, so the loss and the
+gradient norm at every iteration and every parameter after the last one must match the one-process run (the
+``layout_runs`` reference and fixture of test_train_layouts) within 1e-5, for every cp_comm, with tensor and
+sequence parallelism, and with data parallelism and the distributed optimizer. A checkpoint saved at cp2 resumes
+at cp1 and continues the one-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import (
+    BASE_SETTINGS,
+    assert_reports_settings,
+    assert_same_parameters,
+    assert_same_training,
+    iteration_records,
+    mg,
+    read_checkpoint,
+    tiny_args,
+)
+from tests.e2e.test_train_layouts import reference  # noqa: F401 - the one-process run, a fixture
+
+CP2 = ("parallel.cp=2",)
+LAYOUTS = {
+    # name: (processes, --set overrides, the effective settings the run must report besides BASE_SETTINGS)
+    "cp2-p2p": (2, CP2, {"cp": 2, "cp_comm": "p2p"}),
+    "cp2-allgather": (2, (*CP2, "parallel.cp_comm=allgather"), {"cp": 2, "cp_comm": "allgather"}),
+    "cp2-a2a": (2, (*CP2, "parallel.cp_comm=a2a"), {"cp": 2, "cp_comm": "a2a"}),
+    "cp2-tp2-sp": (4, (*CP2, "parallel.tp=2", "parallel.sequence_parallel=true"),
+                   {"tp": 2, "sequence_parallel": True, "cp": 2, "cp_comm": "p2p"}),
+    "cp2-dp2-distopt": (4, (*CP2, "parallel.distributed_optimizer=true"),
+                        {"dp": 2, "micro_batches": 2, "distributed_optimizer": True, "cp": 2, "cp_comm": "p2p"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_matches_single_process(layout, layout_runs, reference):  # noqa: F811
+    nproc, sets, expected = LAYOUTS[layout]
+    log, ckpt, out = layout_runs.get(nproc, sets)
+    assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **expected})
+    assert_same_training(iteration_records(log), reference[0], layout)
+    assert_same_parameters(read_checkpoint(ckpt / "iter_0000020", "model/"), reference[1], layout)
+
+
+def test_cp2_checkpoint_resumes_at_cp1(corpus, layout_runs, reference, tmp_path):  # noqa: F811
+    """Parameters are replicated over cp, so a cp2 checkpoint holds the one-process model: resumed on one process
+    at iteration 10 it continues the one-process run."""
+    _, ckpt, _ = layout_runs.get(2, LAYOUTS["cp2-p2p"][1])
+    out = mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={ckpt / 'iter_0000010'}")).stdout
+    assert ", resuming at iteration 11" in out
+    assert_same_training(iteration_records(tmp_path), {it: reference[0][it] for it in range(11, 21)}, "cp2 -> cp1")
+
+
+@pytest.mark.parametrize(
+    "nproc, sets, message",
+    [
+        (2, [*CP2, "model.seq_length=30"], "model.seq_length=30 is not divisible by 2 * parallel.cp = 4"),
+        (2, [*CP2, "model.type=bert", "model.preset=tiny-bert"],
+         "context parallelism is only supported for model.type=gpt"),
+        (2, [*CP2, "parallel.cp_comm=a2a", "model.num_attention_heads=1"], "parallel.cp_comm=a2a splits"),
+        (2, [*CP2, "model.dropout=0.1"], "model.attention_dropout=0.1 is not supported with parallel.cp=2"),
+        (2, [*CP2, "parallel.cp_comm=ring"], "parallel.cp_comm"),
+    ],
+)
+def test_context_parallel_config_errors(corpus, tmp_path, nproc, sets, message):
+    from click.testing import CliRunner
+
+    from mg_cli.main import cli
+
+    result = CliRunner().invoke(cli, [*tiny_args(corpus, tmp_path, *sets), "--nproc-per-node", str(nproc)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("Error: ") and message in lines[-1], result.output[-3000:]
