@@ -14,12 +14,11 @@ projection is ``[num_experts, ...]`` and this rank's block starts at ``r * E_loc
 needs); every expert parameter carries the tags it reads (``expert_parallel``, ``num_experts``,
 ``ep_rank``, and the tensor-parallel tags of ``tensor_parallel.utils``).
 
-**Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (chosen by
-default on accelerators where this torch build runs it forward and backward for the weights' dtype
-and sizes, checked once with a tiny probe); ``loop`` runs one matmul per expert, written into one
-output and, in backward, straight into one weight-gradient tensor (the default on the CPU, where it
-measured faster than the CPU build of ``_grouped_mm``). An expert that receives no token gets a zero
-gradient on either path.
+**Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (chosen
+where this torch build runs it forward and backward for the weights' dtype, device and sizes,
+checked once with a tiny probe); ``loop`` runs one matmul per expert, written into one output and,
+in backward, straight into one weight-gradient tensor (on the CPU the two measured within noise of
+each other). An expert that receives no token gets a zero gradient on either path.
 """
 
 from __future__ import annotations
@@ -203,10 +202,7 @@ class GroupedExperts(nn.Module):
         if grouped and not supported:
             raise ValueError("moe_grouped_gemm=True but torch._grouped_mm does not run for these weights here; "
                              "set it to null (auto) or false")
-        # Auto: grouped_mm off the CPU only. The CPU build runs it as a loop over groups and then stacks
-        # the weight gradients, which measured slower than _LoopedMM (benchmarks/bench_moe.py).
-        auto = supported and self.w1.device.type != "cpu"
-        self.path = "grouped_mm" if (auto if grouped is None else grouped) else "loop"
+        self.path = "grouped_mm" if (supported if grouped is None else grouped) else "loop"
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
         if w.dtype != x.dtype:  # e.g. under autocast, where the activations arrive in the autocast dtype
