@@ -93,6 +93,11 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = group_size(self.dp_group)
         self.dp_rank = group_rank(self.dp_group)
         self._sync_enabled = True
+        if getattr(grid, "ep_size", 1) > 1 and any(getattr(q, "expert_parallel", False) for q in module.parameters()):
+            # Averaging them over dp x cp would mix the gradients of different experts (one per ep rank).
+            raise ValueError("DistributedDataParallel does not reduce expert-parallel parameters yet (parallel.ep="
+                             f"{grid.ep_size}): average their gradients over the expert-data-parallel group with "
+                             "mg_parallel.moe.allreduce_expert_grads and wrap only the dense parameters")
 
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         seen: set[int] = set()
