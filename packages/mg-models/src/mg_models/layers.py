@@ -356,8 +356,13 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None, cache: object | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]. ``cache`` is an :class:`~mg_models.generation.InferenceCache`."""
+                mask: torch.Tensor | ContextParallelMask | None = None, cache: object | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]. ``cache`` is an :class:`~mg_models.generation.InferenceCache`; ``mask``
+        a boolean mask, or a :class:`ContextParallelMask` at ``ctx.cp_size > 1``.
+
+        Raises:
+            ValueError: at cp > 1, a KV cache or a dense mask.
+        """
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.head_dim)
