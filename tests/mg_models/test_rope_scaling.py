@@ -82,13 +82,17 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+def _save(name, transformers, tmp_path_factory):
+    rope_parameters, max_positions = SCALINGS[name]
+    hf = _hf_llama(transformers, rope_parameters, max_positions)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path, safe_serialization=True)
+    return name, hf, path
+
+
 @pytest.fixture(scope="module", params=sorted(SCALINGS))
 def saved(request, transformers, tmp_path_factory):
-    rope_parameters, max_positions = SCALINGS[request.param]
-    hf = _hf_llama(transformers, rope_parameters, max_positions)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, path
+    return _save(request.param, transformers, tmp_path_factory)
 
 
 def test_logits_match_beyond_the_original_context(saved):
@@ -109,11 +113,11 @@ def test_logits_match_beyond_the_original_context(saved):
             assert (unscaled - ref).abs().max().item() > 1e-3, (name, length)
 
 
-def test_greedy_generation_past_the_original_context(saved):
+# The logits test covers every type; decoding adds a per-step base (dynamic) and the cache crossing the context.
+@pytest.mark.parametrize("name", ["dynamic", "llama3"])
+def test_greedy_generation_past_the_original_context(name, transformers, tmp_path_factory):
     """Incremental decoding with the KV cache crosses the original context (dynamic: the base grows per step)."""
-    name, hf, path = saved
-    if name not in ("dynamic", "llama3"):
-        pytest.skip("the logits test covers the other types; decoding adds nothing type-specific")
+    _, hf, path = _save(name, transformers, tmp_path_factory)
     hf = type(hf).from_pretrained(path).eval()  # fresh: dynamic scaling in Hugging Face is stateful
     model = load_pretrained(path)
     prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
