@@ -7,8 +7,6 @@ tokens spread over all four experts (HF initialises Qwen's routers to zero: ever
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,7 +17,7 @@ from mg_models.hf import config_from_hf, config_to_hf, read_hf_directory, write_
 from mg_parallel.moe import GroupedExperts, TopKRouter, is_expert_param, moe_losses
 from mg_parallel.testing import run_distributed
 
-from .test_hf_parity import _randomise_small_params
+from .test_hf_parity import assert_exports_bit_exact, save_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,19 +36,17 @@ CASES = {
 MOE_FIELDS = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", add_bias_linear=False)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = CASES[request.param]().eval()
-    _randomise_small_params(hf)  # norms, so their mapping is tested
+def _random_routers(hf):
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):  # routers: non-trivial routing
                 p.copy_(torch.randn(p.shape, generator=gen))
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, path
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def saved(request, tmp_path_factory):
+    return save_case(request.param, CASES[request.param], tmp_path_factory, _random_routers)
 
 
 def test_logits_match_with_every_expert_used(saved):
@@ -82,18 +78,8 @@ def test_greedy_generation_matches(saved):
 
 def test_export_round_trip_is_bit_exact(saved, tmp_path):
     name, hf, path = saved
-    config, state, model_type = read_hf_directory(path)
+    _, state, model_type = assert_exports_bit_exact(path, hf, tmp_path, 9, name)
     assert model_type == name and state["decoder.layers.1.mlp.experts.w1"].shape == (4, 64, 2, 48)
-    out = write_hf_directory(tmp_path, state, config, model_type)
-    original, exported = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], v) for k, v in original.items())
-    assert config_from_hf(json.loads((out / "config.json").read_text())) == config
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is type(hf)
-    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
 
 
 def test_mg_moe_model_exports_to_qwen2_moe(tmp_path):

@@ -63,14 +63,44 @@ def _randomise_small_params(model: torch.nn.Module) -> None:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
+def save_case(name, make, tmp_path_factory, adjust=None):
+    """``(name, hf model, directory)``: ``make()`` seeded, its 1-D parameters perturbed (then ``adjust(hf)``), saved."""
+    torch.manual_seed(0)
+    hf = make().eval()
+    _randomise_small_params(hf)  # norms and biases, so their mapping is tested
+    if adjust is not None:
+        adjust(hf)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path, safe_serialization=True)
+    return name, hf, path
+
+
+def assert_exports_bit_exact(path, hf, out_dir, seq_len, name):
+    """``path`` read and written back: the same tensors bit for bit, the same config, and transformers' logits of
+    the re-exported directory equal ``hf``'s."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mg_models.hf import config_from_hf, read_hf_directory, write_hf_directory
+
+    config, state, model_type = read_hf_directory(path)
+    out = write_hf_directory(out_dir, state, config, model_type)
+    original, exported = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+    assert config_from_hf(json.loads((out / "config.json").read_text())) == config
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(hf)
+    ids = torch.randint(0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
+    return config, state, model_type
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = CASES[request.param]().eval()
-    _randomise_small_params(hf)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, path
+    return save_case(request.param, CASES[request.param], tmp_path_factory)
 
 
 def test_logits_match(saved):

@@ -5,16 +5,13 @@ Randomly initialised Hugging Face models are the reference.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mg_models import GPTModel, load_pretrained
-from mg_models.hf import config_from_hf, config_to_hf, read_hf_directory, write_hf_directory
+from mg_models.hf import config_from_hf, config_to_hf, write_hf_directory
 
-from .test_hf_parity import _randomise_small_params
+from .test_hf_parity import assert_exports_bit_exact, save_case
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,12 +30,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = CASES[request.param]().eval()
-    _randomise_small_params(hf)  # norms and biases, so their mapping is tested
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, path
+    return save_case(request.param, CASES[request.param], tmp_path_factory)
 
 
 def test_logits_match(saved):
@@ -54,18 +46,8 @@ def test_logits_match(saved):
 
 def test_export_round_trip(saved, tmp_path):
     name, hf, path = saved
-    config, state, model_type = read_hf_directory(path)
+    _, _, model_type = assert_exports_bit_exact(path, hf, tmp_path, 40, name)
     assert model_type == name.split("-")[0]
-    out = write_hf_directory(tmp_path, state, config, model_type)
-    original, exported = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], v) for k, v in original.items())
-    assert config_from_hf(json.loads((out / "config.json").read_text())) == config
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is type(hf)
-    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
 
 
 def test_mg_model_exports_to_qwen3(tmp_path):
