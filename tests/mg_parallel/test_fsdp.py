@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_parallel.distributed import (
+    FullyShardedChunk,
     apply_fsdp,
     check_fsdp,
     clip_fsdp_grads,
@@ -18,6 +19,7 @@ from mg_parallel.distributed import (
     no_gradient_sync,
 )
 from mg_parallel.grid import ParallelDims, build_grid
+from mg_parallel.optimizer import OptimizerConfig, build_optimizer
 from mg_parallel.pipeline import forward_backward_1f1b, forward_backward_no_pipelining
 from mg_parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -89,19 +91,18 @@ def adamw(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
 
-def reference(tied: bool = True, clip: float = CLIP) -> list[dict[str, torch.Tensor]]:
-    """One process, the full batch: parameters after each step."""
+def reference(tied: bool = True, clip: float = CLIP) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """One process, the full batch: parameters after each step, and each step's gradient norm."""
     model = Net(tied=tied)
     opt = adamw(model)
-    out = []
+    out, norms = [], []
     for tokens, target in batches():
         opt.zero_grad()
         model(tokens, target).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return out
+    return out, norms
 
 
 def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers: bool = True,
@@ -145,6 +146,29 @@ def train_fsdp(want: list[dict[str, torch.Tensor]], *, tp: int = 1, split_layers
             clip_fsdp_grads([model], grid, clip)
         opt.step()
         err = max(err, shard_error(model.named_parameters(), ref, tp_split, set(ref)))
+    return err
+
+
+def train_chunk(want: tuple[list[dict[str, torch.Tensor]], list[float]], *, tp: int = 1,
+                shard_size: int | None = None, offload: bool = False, micro: int = 2) -> float:
+    """FullyShardedChunk + build_optimizer (the FSDP optimizer: AdamW, clipping) driven by the no-pipelining
+    schedule, as mg train runs it; returns the largest parameter-shard error after any step, and asserts
+    that every step's gradient norm is the reference's."""
+    grid = build_grid(ParallelDims(tp=tp))
+    chunk = FullyShardedChunk(Net(grid.tp_group), grid, shard_size=shard_size, offload=offload)
+    config = OptimizerConfig(lr=LR, weight_decay=WD, decay_1d_params=True, clip_grad=CLIP)
+    opt = build_optimizer([chunk], grid, config)
+    per_rank = B // grid.dp_size
+    err = 0.0
+    for (tokens, target), ref, ref_norm in zip(batches(), *want, strict=True):
+        opt.zero_grad()
+        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        micros = zip(tokens[mine].chunk(micro), target[mine].chunk(micro))
+        forward_backward_no_pipelining(lambda b, m: (m(*b), lambda loss: (loss, {})), micros, [chunk], micro, grid,
+                                       tensor_shape=(1,), finalize_grads=finalize_fsdp_grads)
+        applied, norm = opt.step()
+        assert applied and norm == pytest.approx(ref_norm, rel=1e-5), (norm, ref_norm)
+        err = max(err, shard_error(chunk.module.named_parameters(), ref, (grid.tp_size, grid.tp_rank), set(ref)))
     return err
 
 
@@ -263,9 +287,14 @@ def bf16_loss_error() -> float:
     return abs(float(loss.detach().float() / want.detach() - 1))
 
 
-def cases(tied_ref: list[dict[str, torch.Tensor]], untied_ref: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def cases(tied: tuple[list[dict[str, torch.Tensor]], list[float]], untied: tuple[list[dict[str, torch.Tensor]], list[float]]
+          ) -> dict[str, float]:
     """Every multi-process case on a world of 4 (one pool): parameter errors, and the memory ratio."""
+    tied_ref, untied_ref = tied[0], untied[0]
     return {
+        "FullyShardedChunk + FSDP optimizer, dp4": train_chunk(tied),
+        "FullyShardedChunk + FSDP optimizer, tp2 x hsdp(1x2), offload": train_chunk(tied, tp=2, shard_size=1,
+                                                                                   offload=True),
         "dp2": train_fsdp(tied_ref, tp=2, split_layers=False),
         "dp2 untied, offload, no_pipelining schedule": train_fsdp(
             untied_ref, tp=2, split_layers=False, tied=False, offload=True, schedule=True),

@@ -207,6 +207,7 @@ SCHEMA = Schema(sections=(
     SectionSpec(
         name="parallel", doc="How the job is split over processes; dp is derived (world size / (tp * pp * cp)).",
         sources=(Source("mg_parallel.grid:ParallelDims", exclude=("world_size",)),
+                 Source("mg_parallel.distributed.fsdp_mesh:FSDPConfig"),
                  Source("mg_parallel.recompute:RecomputeConfig", prefix="recompute_"),
                  Source(_OPTIMIZER, only=_ZERO)),
     ),

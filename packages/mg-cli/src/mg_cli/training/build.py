@@ -54,7 +54,9 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
     GPT and BERT are cut into pipeline stages by layer; T5 is one chunk (pp must be 1).
     """
     dims = grid.dims
-    dtype = Precision.from_name(config.train.precision).param_dtype
+    policy = Precision.from_name(config.train.precision)
+    # FSDP keeps fp32 main parameters as its shards and casts to the compute dtype when it gathers them.
+    dtype = policy.main_param_dtype if config.parallel.fsdp else policy.param_dtype
     if config.model.type == "t5":
         from mg_models.t5 import T5Model
 
@@ -78,12 +80,19 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
 
 
 def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, grid: ProcessGrid) -> tuple[list[Any], Any]:
-    """DDP-wrap every chunk and build the (distributed) optimizer, both from ``OptimizerConfig``."""
+    """DDP-wrap (or, with ``parallel.fsdp``, FSDP-shard) every chunk and build the optimizer over them, from
+    ``OptimizerConfig`` and ``FSDPConfig``."""
+    from mg_parallel.distributed.fsdp_mesh import FSDPConfig
+
     opt_config = config.make(OptimizerConfig)
     precision = Precision.from_name(opt_config.precision)
-    wrapped = [
-        DistributedDataParallel(chunk, grid, use_distributed_optimizer=opt_config.use_distributed_optimizer,
-                                precision=precision)
-        for chunk in chunks
-    ]
+    fsdp = config.make(FSDPConfig)
+    if fsdp.fsdp:
+        from mg_parallel.distributed.fsdp import FullyShardedChunk
+
+        wrapped: list[Any] = [FullyShardedChunk(chunk, grid, precision, shard_size=fsdp.fsdp_shard_size,
+                                                offload=fsdp.offload_optimizer) for chunk in chunks]
+    else:
+        wrapped = [DistributedDataParallel(chunk, grid, use_distributed_optimizer=opt_config.use_distributed_optimizer,
+                                           precision=precision) for chunk in chunks]
     return wrapped, build_optimizer(wrapped, grid, opt_config)

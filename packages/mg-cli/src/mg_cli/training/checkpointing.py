@@ -8,6 +8,9 @@ Names:
 * ``optim/<param>/{main_param,exp_avg,exp_avg_sq}``: fp32 optimizer state of the same parameter,
   with the same global shape. With the distributed optimizer each data-parallel rank owns a flat
   range of its tensor-parallel block, which mg-ckpt stores as such and reslices on load.
+* Under ``parallel.fsdp`` a parameter (and its optimizer state) is a DTensor whose local shard is a flat
+  range of its tensor-parallel block too, held by the HSDP replicas of that shard: the same names and
+  global tensors, so a checkpoint moves between FSDP and DDP layouts without conversion.
 
 Everything else (iteration, consumed samples, optimizer step, loss scaler, RNG streams of every
 rank, the config) travels as JSON in the checkpoint's ``state``.
@@ -16,6 +19,7 @@ rank, the config) travels as JSON in the checkpoint's ``state``.
 from __future__ import annotations
 
 import base64
+import sys
 from typing import Any
 
 import torch
@@ -44,11 +48,30 @@ def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: boo
     """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
     tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
     rank, count = 0, 1
-    if not dp_sharded:  # replicated over dp x cp (the distributed optimizer shards over both)
+    if is_fsdp(param):  # sharded over dp x cp, replicated across HSDP's groups
+        from mg_parallel.distributed.fsdp import replicas
+
+        rank, count = replicas(param)
+    elif not dp_sharded:  # replicated over dp x cp (the distributed optimizer shards over both)
         rank, count = grid.cp_rank + grid.cp_size * grid.dp_rank, grid.dp_size * grid.cp_size
     if not tp_sharded:
         rank, count = rank * grid.tp_size + grid.tp_rank, count * grid.tp_size
     return rank, count
+
+
+def is_fsdp(param: torch.Tensor) -> bool:
+    """True for a parameter sharded by FSDP (a DTensor; none exists before FSDP imported their module, which
+    takes about a second, so it is not imported here)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(param, dtensor.DTensor)
+
+
+def _fsdp_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """This rank's FSDP shard of ``param`` as a flat tensor sharing its storage, and its flat range."""
+    from mg_parallel.distributed.fsdp import local_flat_range
+
+    with torch.no_grad():
+        return param.to_local().detach().view(-1), local_flat_range(param)
 
 
 def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool) -> dict[str, ShardedTensor]:
@@ -66,8 +89,14 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
             r, n = _replicas(param, name, grid, dp_sharded=False)
             if for_load:
                 r, n = 0, 1  # replica bookkeeping only matters when writing
+            local, flat_range = param.data, None
+            if is_fsdp(param):
+                local, flat_range = _fsdp_shard(param)
+                if local.numel() == 0:
+                    continue  # a parameter with fewer rows than the shard group: this rank holds none
             out[f"model/{key}" + ("#tied" if key != name else "")] = ShardedTensor(
-                param.data, gshape, goffset, replica_rank=r, num_replicas=n)
+                local, gshape, goffset, local_shape=tuple(param.shape), flat_range=flat_range, replica_rank=r,
+                num_replicas=n)
     return out
 
 

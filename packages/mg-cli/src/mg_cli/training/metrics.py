@@ -109,7 +109,8 @@ def effective_settings(run: Any) -> dict[str, Any]:
     recompute ("none", "full" or "full:<k> layers"), precision (of the model parameters),
     micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
     no_pipelining, 1f1b or interleaved); with context parallelism (cp > 1) also cp and cp_comm, as the
-    model's attention runs them.
+    model's attention runs them; with fully sharded data parallelism also fsdp, fsdp_shard_size (the ranks each
+    parameter is split over) and offload_optimizer, as the sharded chunks have them.
     """
     from mg_parallel.precision import PRECISION_NAMES, Precision
 
@@ -121,6 +122,9 @@ def effective_settings(run: Any) -> dict[str, Any]:
         recompute = rc.granularity + (f":{rc.num_layers} layers" if rc.num_layers is not None else "")
     dtype = next(inner[0].parameters()).dtype
     precision = next((n for n in PRECISION_NAMES if Precision.from_name(n).param_dtype == dtype), str(dtype))
+    fsdp = run.model[0] if getattr(run.model[0], "fully_sharded", False) else None
+    if fsdp is not None:  # fp32 shards, gathered in the policy's compute dtype
+        precision = fsdp.precision.name
     grid = run.grid
     return {
         "tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "vpp": len(inner),
@@ -128,6 +132,7 @@ def effective_settings(run: Any) -> dict[str, Any]:
         "recompute": recompute, "precision": precision, "micro_batches": run.num_micro,
         "schedule": run.forward_backward.__name__.removeprefix("forward_backward_"),
         **({"cp": ctx.cp_size, "cp_comm": ctx.cp_comm} if ctx.cp_size > 1 else {}),
+        **({"fsdp": True, "fsdp_shard_size": fsdp.shard_size, "offload_optimizer": fsdp.offload} if fsdp else {}),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,11 +91,17 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
     data = RunData(config, grid, plan.tokenizer)
     seq = config.model.seq_length // grid.cp_size  # this rank's tokens of each sample
+    forward_backward = get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None)
+    if config.parallel.fsdp:  # gradients are DTensor shards: FSDP's own sequence-parallel and tied-embedding fix-ups
+        from mg_parallel.distributed.fsdp import finalize_fsdp_grads
+
+        forward_backward = functools.update_wrapper(
+            functools.partial(forward_backward, finalize_grads=finalize_fsdp_grads), forward_backward)
     family, task = config.model.type, config.data.sentence_task
     return Run(
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
-        forward_backward=get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None),
+        forward_backward=forward_backward,
         forward_step=forward_step_for(family, task, config.data.format,
                                       cp_group=grid.cp_group if grid.cp_size > 1 else None),
         logged_losses=logged_losses(family, task, config.data.format),
@@ -138,6 +145,8 @@ def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, mod
 
 def layout_key(grid: Any, config: RunConfig) -> str:
     """Identifies a layout in checkpoints: RNG streams are restored only at the same one."""
-    do = int(config.parallel.use_distributed_optimizer)
+    p = config.parallel
+    do = int(p.use_distributed_optimizer)
     cp = f"-cp{grid.cp_size}" if grid.cp_size > 1 else ""
-    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}{cp}"
+    fsdp = f"-fsdp{p.fsdp_shard_size or grid.dp_size * grid.cp_size}" if p.fsdp else ""
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}{cp}{fsdp}"

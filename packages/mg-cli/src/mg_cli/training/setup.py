@@ -111,6 +111,7 @@ def check_config(config: RunConfig, env: Env) -> Any:
     except ValueError as e:
         raise TrainingError(str(e)) from None
     check_context_parallel_run(config, dims)
+    check_fsdp_run(config, dims)
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise TrainingError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * dp = "
@@ -133,6 +134,28 @@ def check_config(config: RunConfig, env: Env) -> Any:
         raise TrainingError("train.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
     check_files(config)
     return dims
+
+
+def check_fsdp_run(config: RunConfig, dims: Any) -> None:
+    """``parallel.fsdp``: its keys agree, it is not combined with the distributed optimizer, the shard size divides
+    dp x cp, and nothing else in the run needs every data-parallel rank to run the model separately.
+
+    Raises:
+        TrainingError: naming the key at fault.
+    """
+    from mg_parallel.distributed.fsdp_mesh import FSDPConfig, check_fsdp
+
+    p = config.parallel
+    try:
+        fsdp = config.make(FSDPConfig)
+        check_fsdp(dims.dp, fsdp=fsdp.fsdp, use_distributed_optimizer=p.use_distributed_optimizer,
+                   shard_size=fsdp.fsdp_shard_size, cp=dims.cp)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    if fsdp.fsdp and config.eval.tasks:
+        # Each data-parallel rank scores its own requests, but FSDP gathers parameters collectively.
+        raise TrainingError("eval.tasks are not supported with parallel.fsdp; leave eval.tasks empty and run "
+                            "`mg eval` on the checkpoint")
 
 
 def check_context_parallel_run(config: RunConfig, dims: Any) -> None:

@@ -77,6 +77,8 @@ def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:
                                       tensor_shape=run.tensor_shape, dtype=run.dtype, forward_only=True)
     for chunk in run.model:
         chunk.train()
+        if getattr(chunk, "fully_sharded", False):
+            chunk.reshard()  # units kept gathered for a backward that a forward-only pass does not run
     val = float(average_losses(losses, run.grid))
     parts = {f"val_{k}": float(average_losses(losses, run.grid, key=k)) for k in run.logged_losses}
     if run.config.data.format == "classification":  # a loss over labels: no perplexity

@@ -11,8 +11,8 @@ from mg_parallel.distributed.ddp import DistributedDataParallel
 from mg_parallel.distributed.finalize import finalize_model_grads, grad_of
 
 _FSDP_NAMES = (
-    "apply_fsdp", "check_fsdp", "clip_fsdp_grads", "finalize_fsdp_grads", "fsdp_grad_norm", "fsdp_mesh",
-    "local_tensor", "memory_bytes", "no_gradient_sync",
+    "FullyShardedChunk", "apply_fsdp", "check_fsdp", "clip_fsdp_grads", "finalize_fsdp_grads", "fsdp_grad_norm",
+    "fsdp_mesh", "local_flat_range", "local_tensor", "memory_bytes", "no_gradient_sync", "replicas",
 )
 
 __all__ = ["Bucket", "DistributedDataParallel", "GradBuffer", "finalize_model_grads", "grad_of", *_FSDP_NAMES]

@@ -16,7 +16,10 @@ gradient shards, :func:`finalize_fsdp_grads` for sequence-parallel and pipeline-
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +39,7 @@ from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_n
 from mg_parallel.precision import Precision
 
 __all__ = [
+    "FullyShardedChunk",
     "apply_fsdp",
     "check_fsdp",
     "clip_fsdp_grads",
@@ -43,9 +47,11 @@ __all__ = [
     "finalize_fsdp_grads",
     "fsdp_grad_norm",
     "fsdp_mesh",
+    "local_flat_range",
     "local_tensor",
     "memory_bytes",
     "no_gradient_sync",
+    "replicas",
 ]
 
 # Python attributes mg keeps on parameters (tensor-parallel tags, sequence parallel, tied embeddings);
@@ -194,6 +200,43 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_flat_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: where this rank's local shard lies in the flattened full tensor (``(0, numel)`` if not a DTensor).
+
+    FSDP splits dim 0 into chunks of ``ceil(rows / n)`` rows over the n ranks of its shard mesh dimension (the
+    last ranks may get fewer, or none), so a shard is a contiguous run of the flattened tensor.
+
+    Raises:
+        ValueError: the DTensor is not sharded along dim 0 on one mesh dimension (not an FSDP parameter).
+    """
+    if not isinstance(t, DTensor):
+        return 0, t.numel()
+    shards = [(d, p) for d, p in enumerate(t.placements) if not p.is_replicate()]
+    if len(shards) != 1 or not shards[0][1].is_shard(0):
+        raise ValueError(f"expected a DTensor sharded along dim 0 on one mesh dimension (FSDP), got {t.placements}")
+    dim = shards[0][0]
+    rows = t.shape[0]
+    per = math.ceil(rows / t.device_mesh.size(dim))
+    first = min(t.device_mesh.get_local_rank(dim) * per, rows)
+    row = t.numel() // rows if rows else 0
+    local = t.to_local()
+    if local.shape[0] != min(first + per, rows) - first:
+        raise ValueError(f"local shard of {tuple(local.shape)} does not start at row {first} of {tuple(t.shape)}")
+    return first * row, first * row + local.numel()
+
+
+def replicas(t: torch.Tensor) -> tuple[int, int]:
+    """``(index, count)`` of this rank among the ranks holding the same shard of ``t`` (HSDP's replicate
+    dimensions of a DTensor's mesh); ``(0, 1)`` for a plain tensor or full sharding."""
+    return _replica_rank(t), _replica_count(t)
+
+
+def _replica_count(t: torch.Tensor) -> int:
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate())
+
+
 def _replica_rank(t: torch.Tensor) -> int:
     """This rank's index along the replicate dimensions of a DTensor's mesh (0 when none)."""
     if not isinstance(t, DTensor):
@@ -300,3 +343,73 @@ def memory_bytes(models: Iterable[nn.Module], optimizer: torch.optim.Optimizer |
     out["optimizer"] = count(v for s in state for v in s.values() if isinstance(v, torch.Tensor))
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+class FullyShardedChunk(nn.Module):
+    """A model chunk sharded by :func:`apply_fsdp`, with the interface that mg's pipeline schedules and
+    :func:`~mg_parallel.optimizer.build_optimizer` use for a :class:`DistributedDataParallel` chunk.
+
+    ``module`` is the sharded model; ``no_sync()`` defers FSDP's reduce-scatter to the last micro-batch
+    (schedules enter it for the others); ``zero_grad_buffer()`` drops the gradient shards. Gradients are
+    reduce-scattered during backward, so ``finish_grad_sync()`` has nothing left to wait for; run
+    :func:`finalize_fsdp_grads` (the schedules' ``finalize_grads``) for the tensor- and pipeline-parallel
+    fix-ups.
+
+    Args:
+        module: the full model chunk in the policy's main dtype (fp32); sharded in place.
+        grid, precision, shard_size, offload, reshard_after_forward: as for :func:`apply_fsdp`;
+            ``reshard_after_forward`` defaults to resharding only without pipeline parallelism.
+    """
+
+    fully_sharded = True
+    """Tells :func:`~mg_parallel.optimizer.build_optimizer` to build an FSDP optimizer."""
+    use_distributed_optimizer = False
+    """FSDP shards the state itself; mg's distributed optimizer is never combined with it."""
+
+    def __init__(self, module: nn.Module, grid: ProcessGrid, precision: Precision | str = "fp32", *,
+                 shard_size: int | None = None, offload: bool = False, reshard_after_forward: bool | None = None
+                 ) -> None:
+        super().__init__()
+        # Under a pipeline schedule several micro-batches are between forward and backward at once; keeping
+        # a stage's parameters gathered until their backward saves an all-gather per micro-batch (None: pp == 1).
+        reshard = grid.pp_size == 1 if reshard_after_forward is None else reshard_after_forward
+        self.module = apply_fsdp(module, grid, precision, shard_size=shard_size, offload=offload,
+                                 reshard_after_forward=reshard)
+        self.precision = Precision.resolve(precision)
+        """The precision policy: fp32 shards, gathered and computed in its compute dtype."""
+        self.shard_size = shard_size or grid.dp_size * grid.cp_size
+        """Ranks each parameter is split over (all data-parallel ranks unless hybrid-sharded)."""
+        self.offload = offload
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            # Models return views (per-token losses as [b, s] of an [s, b] result); FSDP warns that an in-place
+            # op on one would skip its backward hook, and neither mg's schedules nor its losses do that.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally; the next backward outside the block reduce-scatters them."""
+        with no_gradient_sync(self.module):
+            yield
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for: FSDP's reduce-scatter has finished when backward returns."""
+
+    def reshard(self) -> None:
+        """Free every gathered parameter, leaving the shards as the chunk's parameters.
+
+        Units that keep their parameters gathered from forward to backward (the last block; every unit under
+        pipeline parallelism) stay gathered after a forward-only pass: call this after evaluation, before
+        anything reads the parameters as shards (the optimizer, a checkpoint).
+        """
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def zero_grad_buffer(self) -> None:
+        """Drop the gradient shards (the next backward allocates them)."""
+        self.module.zero_grad(set_to_none=True)
+
+    release_grad_buffers = zero_grad_buffer

@@ -7,13 +7,35 @@ of ranks ``shard_size`` apart, as a 2-D ``(replicate, shard)`` mesh.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mg_parallel.grid import ProcessGrid
 
-__all__ = ["check_fsdp", "data_parallel_rank_lists", "fsdp_mesh"]
+__all__ = ["FSDPConfig", "check_fsdp", "data_parallel_rank_lists", "fsdp_mesh"]
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """Fully sharded data parallelism (ZeRO-3 with PyTorch's FSDP2): whether, over how many ranks, and offload."""
+
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the data-parallel ranks (dp x cp), layer by layer."""
+    fsdp_shard_size: int | None = None
+    """Hybrid sharding (HSDP): shard within groups of this many data-parallel ranks, replicate across them;
+    null shards over all of them."""
+    offload_optimizer: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory and run the update on the CPU
+    (needs fsdp)."""
+
+    def __post_init__(self) -> None:
+        if not self.fsdp and (self.fsdp_shard_size is not None or self.offload_optimizer):
+            key = "fsdp_shard_size" if self.fsdp_shard_size is not None else "offload_optimizer"
+            raise ValueError(f"parallel.{key} needs parallel.fsdp: true (it configures the fully sharded "
+                             f"parameters); set fsdp: true or remove {key}")
 
 
 def check_fsdp(

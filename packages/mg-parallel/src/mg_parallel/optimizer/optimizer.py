@@ -44,7 +44,7 @@ class _Piece:
     param: nn.Parameter
     flat_offset: int
     numel: int
-    grad: torch.Tensor  # view into the DDP bucket (grad dtype)
+    grad: torch.Tensor | None  # view into the DDP bucket (grad dtype); None: read from the parameter each step
     main: torch.Tensor  # fp32 view (the model param itself when it is fp32)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -63,26 +63,7 @@ class MegatronStyleOptimizer:
     """
 
     def __init__(self, model_chunks: list[DistributedDataParallel], grid: ProcessGrid, config: OptimizerConfig) -> None:
-        self.chunks = model_chunks
-        self.grid = grid
-        self.config = config
-        self.distributed = config.use_distributed_optimizer
-        self.step_count = 0
-        self.precision = Precision.from_name(config.precision)
-        """The precision policy of ``config.precision``."""
-        self.scaler: LossScaler | None = self.precision.build_loss_scaler(
-            loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
-            min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
-            hysteresis=config.hysteresis,
-        )
-        base = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps}
-        self.param_groups: list[dict[str, Any]] = [
-            {**base, "name": "decay", "weight_decay": config.weight_decay, "params": []},
-            {**base, "name": "no_decay", "weight_decay": 0.0, "params": []},
-        ]
-        self.pieces: list[_Piece] = []
-        self._main_shards: list[torch.Tensor] = []  # fp32 copies of low-precision shards
-        self._moments: list[torch.Tensor] = []
+        self._setup(model_chunks, grid, config)
         model_dtype = self.precision.param_dtype
         for ci, chunk in enumerate(model_chunks):
             names = {id(p): n for n, p in chunk.module.named_parameters()}
@@ -99,6 +80,33 @@ class MegatronStyleOptimizer:
                     )
                 for bucket in buf.buckets:
                     self._add_bucket(ci, chunk, buf, bucket, names)
+        self._dedupe_groups()
+
+    def _setup(self, model_chunks: list[Any], grid: ProcessGrid, config: OptimizerConfig) -> None:
+        self.chunks = model_chunks
+        self.grid = grid
+        self.config = config
+        self.distributed = config.use_distributed_optimizer
+        self.sharded = self.distributed
+        """Each data-parallel rank holds a different part of the gradients (the norm sums over dp too)."""
+        self.step_count = 0
+        self.precision = Precision.from_name(config.precision)
+        """The precision policy of ``config.precision``."""
+        self.scaler: LossScaler | None = self.precision.build_loss_scaler(
+            loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+        base = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps}
+        self.param_groups: list[dict[str, Any]] = [
+            {**base, "name": "decay", "weight_decay": config.weight_decay, "params": []},
+            {**base, "name": "no_decay", "weight_decay": 0.0, "params": []},
+        ]
+        self.pieces: list[_Piece] = []
+        self._main_shards: list[torch.Tensor] = []  # fp32 copies of low-precision shards
+        self._moments: list[torch.Tensor] = []
+
+    def _dedupe_groups(self) -> None:
         for g in self.param_groups:  # each parameter once per group (pieces are per bucket)
             g["params"] = list({id(p): p for p in g["params"]}.values())
 
@@ -179,7 +187,7 @@ class MegatronStyleOptimizer:
             rank (then every rank skips the step and ``grad_norm`` is ``inf``); ``grad_norm`` is
             the global L2 norm of the unscaled gradients before clipping.
         """
-        grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad for p in self.pieces]
+        grads = [g.float() if g.dtype != torch.float32 else g for g in self._grads()]
         if self.scaler is not None:
             found = torch.zeros((), dtype=torch.float32, device=self.grid.device)
             for dev_grads in group_by_device(grads).values():
@@ -196,7 +204,7 @@ class MegatronStyleOptimizer:
             if overflow:
                 self._release_grads()
                 return False, math.inf
-        norm = global_grad_norm(grads, [p.counted for p in self.pieces], self.grid, sharded_over_dp=self.distributed)
+        norm = global_grad_norm(grads, [p.counted for p in self.pieces], self.grid, sharded_over_dp=self.sharded)
         if self.config.clip_grad > 0:
             clip_grads(grads, norm, self.config.clip_grad)
         self.step_count += 1
@@ -211,6 +219,10 @@ class MegatronStyleOptimizer:
             for chunk in self.chunks:
                 chunk.start_param_sync(overlap=self.config.overlap_param_gather)
         return True, norm
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Every piece's gradient, aligned with ``self.pieces``."""
+        return [p.grad for p in self.pieces]
 
     def _release_grads(self) -> None:
         for chunk in self.chunks:
@@ -318,14 +330,23 @@ class MegatronStyleOptimizer:
 
 
 def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid, config: OptimizerConfig) -> MegatronStyleOptimizer:
-    """Build the optimizer for this rank's DDP-wrapped model chunks.
+    """Build the optimizer for this rank's DDP-wrapped model chunks, or for FSDP-sharded ones
+    (:class:`~mg_parallel.distributed.fsdp.FullyShardedChunk`: an :class:`~mg_parallel.optimizer.fsdp.FSDPOptimizer`).
 
     Raises:
-        ValueError: a chunk is not a :class:`DistributedDataParallel`, or its
+        ValueError: a chunk is neither a :class:`DistributedDataParallel` nor a ``FullyShardedChunk`` (or
+            chunks mix the two), or its
             ``use_distributed_optimizer`` disagrees with ``config.use_distributed_optimizer``, or
             (tp > 1) a parameter has no tensor-parallel tag (the message names it).
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    sharded = [getattr(c, "fully_sharded", False) for c in chunks]
+    if any(sharded):
+        from mg_parallel.optimizer.fsdp import FSDPOptimizer
+
+        if not all(sharded):
+            raise ValueError("some model chunks are FullyShardedChunk and some are not; shard all or none")
+        return FSDPOptimizer(chunks, grid, config)
     for i, c in enumerate(chunks):
         if not isinstance(c, DistributedDataParallel):
             raise ValueError(
