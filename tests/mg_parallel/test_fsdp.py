@@ -257,20 +257,34 @@ def train_pipeline(want: list[dict[str, torch.Tensor]], micro: int = 2) -> float
     return err
 
 
-def memory_ratio() -> float:
-    """FSDP bytes per rank (params + grads + AdamW state) after a step, over one process's bytes."""
+def memory_ratio() -> tuple[float, float]:
+    """FSDP bytes per rank (params + grads + AdamW state) after a step, over one process's bytes; and the
+    largest excess of parameter bytes during a step (read at every block's forward and backward, before
+    and after) over those between steps, in units of one block's unsharded parameters."""
     grid = build_grid(ParallelDims())
     tokens, target = batches(1)[0]
-    sizes = []
+    sizes, peak = [], 0
     for sharded in (False, True):
         model = Net(tied=False)
         if sharded:
             model = apply_fsdp(model, grid)
         opt = adamw(model)
+        if sharded:
+            def probe(*_):
+                nonlocal peak
+                peak = max(peak, memory_bytes([model])["params"])
+
+            for block in model.layers:
+                block.register_forward_pre_hook(probe)
+                block.register_forward_hook(probe)
+                block.register_full_backward_pre_hook(probe)
+                block.register_full_backward_hook(probe)
         model(tokens, target).backward()
         opt.step()
         sizes.append(memory_bytes([model], opt)["total"])
-    return sizes[1] / sizes[0]
+    block_bytes = sum(p.numel() * 4 for p in Net(tied=False).layers[0].parameters())
+    between = memory_bytes([model])["params"]
+    return sizes[1] / sizes[0], (peak - between) / block_bytes
 
 
 def bf16_loss_error() -> float:
@@ -311,9 +325,14 @@ def cases(tied: tuple[list[dict[str, torch.Tensor]], list[float]], untied: tuple
 
 def test_fsdp_parity_and_memory():
     for rank, results in enumerate(run_distributed(cases, 4, reference(), reference(tied=False), timeout=300)):
-        ratio, bf16 = results.pop("memory dp4/dp1"), results.pop("bf16 loss")
+        (ratio, window), bf16 = results.pop("memory dp4/dp1"), results.pop("bf16 loss")
         assert 0 < bf16 < 0.02, f"rank {rank}: bf16 loss differs from fp32 by {bf16:.1%}"
         assert abs(ratio - 0.25) < 0.25 * 0.05, f"rank {rank}: dp4 holds {ratio:.3f} of dp1's bytes"
+        # The root unit (embedding, norm, head) stays gathered through the forward; on top of it, at most the
+        # block running and the one prefetched are gathered.
+        root = sum(p.numel() * 4 for n, p in Net(tied=False).named_parameters() if not n.startswith("layers."))
+        block = sum(p.numel() * 4 for p in Net(tied=False).layers[0].parameters())
+        assert 1 <= window <= root / block + 2, f"rank {rank}: {window:.2f} blocks' parameters gathered at the peak"
         for case, err in results.items():
             assert err < TOL, f"rank {rank} {case}: max |param - reference| = {err:.2e}"
 
