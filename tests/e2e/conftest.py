@@ -160,6 +160,19 @@ def iteration_records(log_dir: Path) -> dict[int, dict]:
     return {r["iteration"]: r for r in read_metrics(log_dir) if "loss" in r}
 
 
+def assert_config_error(corpus: dict[str, Path], tmp_path: Path, nproc: int, sets: list[str], message: str) -> None:
+    """``mg train`` with ``sets`` on ``nproc`` processes exits 1 with ``message`` in its one-line error (checked
+    before any process is launched, so it runs in this process)."""
+    from click.testing import CliRunner
+
+    from mg_cli.main import cli
+
+    result = CliRunner().invoke(cli, [*tiny_args(corpus, tmp_path, *sets), "--nproc-per-node", str(nproc)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("Error: ") and message in lines[-1], result.output[-3000:]
+
+
 def assert_reports_settings(log_dir: Path, out: str, nproc: int, settings: dict) -> None:
     """The start line and the first metrics.jsonl record name exactly these effective settings."""
     assert f"mg train: {nproc} processes, {settings_line(settings)}" in out, out[:2000]

@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import (
     BASE_SETTINGS,
+    assert_config_error,
     assert_reports_settings,
     assert_same_parameters,
     assert_same_training,
@@ -67,11 +68,4 @@ def test_cp2_checkpoint_resumes_at_cp1(corpus, layout_runs, reference, tmp_path)
     ],
 )
 def test_context_parallel_config_errors(corpus, tmp_path, nproc, sets, message):
-    from click.testing import CliRunner
-
-    from mg_cli.main import cli
-
-    result = CliRunner().invoke(cli, [*tiny_args(corpus, tmp_path, *sets), "--nproc-per-node", str(nproc)])
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines[-1].startswith("Error: ") and message in lines[-1], result.output[-3000:]
+    assert_config_error(corpus, tmp_path, nproc, sets, message)

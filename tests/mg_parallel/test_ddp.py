@@ -236,24 +236,3 @@ def test_finalize_rejects_an_unwrapped_chunk_at_dp2():
     # One replica: nothing to average, so a plain module is fine (e.g. the pipeline tests' stages).
     finalize_model_grads([nn.Linear(2, 2)], ProcessGrid.single())
 
-
-def _expert_worker() -> dict:
-    from mg_parallel.moe import MoEConfig, MoELayer
-
-    grid = build_grid(ParallelDims(ep=2))  # dp=2: each rank holds two of the four experts
-    layer = MoELayer(8, 16, 4, MoEConfig(), grid)
-    errors = {}
-    for name, module in (("moe", layer), ("dense", nn.Linear(2, 2))):
-        try:
-            DistributedDataParallel(module, grid)
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    return errors
-
-
-def test_ddp_refuses_expert_parallel_parameters_it_would_average_wrongly():
-    for r in run_distributed(_expert_worker, 2):
-        assert r["dense"] is None
-        assert r["moe"] is not None and r["moe"].startswith("DistributedDataParallel does not reduce expert-parallel "
-                                                            "parameters yet (parallel.ep=2)")

@@ -270,7 +270,7 @@ def memory_ratio() -> tuple[float, float]:
             model = apply_fsdp(model, grid)
         opt = adamw(model)
         if sharded:
-            def probe(*_):
+            def probe(*_, model=model):
                 nonlocal peak
                 peak = max(peak, memory_bytes([model])["params"])
 

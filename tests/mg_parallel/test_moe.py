@@ -273,6 +273,7 @@ def _check_world4():
         cfg = MoEConfig(moe_router_topk=2, moe_router_enable_expert_bias=True, moe_grouped_gemm=grouped)
         cases.append(_run_case("dp", dict(ep=4), cfg, 30, bias=idle_bias, idle=5))
     cases.append(_check_expert_grad_average())
+    cases.append(_check_ddp_experts())
     return cases
 
 
@@ -291,6 +292,36 @@ def _check_expert_grad_average():
         p = getattr(layer.experts, name)
         assert_close(p.grad, _block(ref[name], p, grid) / 4, **TOL)
     return "expert grad average"
+
+
+def _check_ddp_experts():
+    """ep 2 of dp 4 under DDP, with and without the distributed optimizer: expert gradients are the mean over
+    all 4 micro-batches (their own buffers, reduced over the expert-data-parallel group), the router's the dp
+    mean, and each counts once in the optimizer's gradient norm."""
+    from mg_parallel.distributed import DistributedDataParallel, finalize_model_grads, grad_of
+    from mg_parallel.optimizer import OptimizerConfig, build_optimizer
+
+    grid = _grid(ep=2)
+    cfg = MoEConfig(moe_router_topk=2, moe_aux_loss_coeff=0.1)
+    gen = torch.Generator().manual_seed(61)
+    weights = _weights(cfg, gen)
+    xs, gouts = torch.randn(4, S, B, H, generator=gen), torch.randn(4, S, B, H, generator=gen)
+    _, ref, _, _ = _ref_grads(weights, list(xs), list(gouts), cfg)
+    want_norm = float(sum((ref[k] / 4).square().sum() for k in ("router", "w1", "w2")).sqrt())
+    for distributed in (False, True):
+        ddp = DistributedDataParallel(_build(weights, cfg, grid), grid, use_distributed_optimizer=distributed)
+        opt = build_optimizer([ddp], grid, OptimizerConfig(lr=0.0, use_distributed_optimizer=distributed))
+        (ddp(xs[grid.rank]) * gouts[grid.rank]).sum().backward()
+        finalize_model_grads([ddp], grid)
+        if not distributed:  # (with it, only this rank's shard of each bucket is reduced)
+            layer = ddp.module
+            assert_close(grad_of(layer.router.weight), ref["router"] / 4, **TOL)
+            for name in ("w1", "w2"):
+                p = getattr(layer.experts, name)
+                assert_close(grad_of(p), _block(ref[name], p, grid) / 4, **TOL)
+        _, norm = opt.step()
+        assert norm == pytest.approx(want_norm, rel=1e-5), (distributed, norm, want_norm)
+    return "ddp experts"
 
 
 def _check_world2():

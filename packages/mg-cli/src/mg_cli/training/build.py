@@ -35,6 +35,7 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
     if p.recompute_granularity == "selective":
         raise TrainingError("parallel.recompute_granularity=selective is not supported by mg train yet; use full "
                             "(optionally with parallel.recompute_num_layers) or leave it unset")
+    check_expert_layout(cfg, config)
     try:
         check_parallel(cfg, p.tp, p.pp)
         if config.model.type == "gpt":
@@ -46,6 +47,26 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
             f"model.num_layers={cfg.num_layers} cannot be split evenly over parallel.pp*parallel.vpp = "
             f"{p.pp}*{p.vpp} = {p.pp * p.vpp} pipeline stages; choose a layer count divisible by it"
         )
+
+
+def check_expert_layout(cfg: Any, config: RunConfig) -> None:
+    """``parallel.ep`` / ``parallel.etp`` need an MoE model whose experts (and expert FFN) they divide."""
+    p = config.parallel
+    if p.ep == 1 and p.etp == 1:
+        return
+    key = "parallel.ep" if p.ep > 1 else "parallel.etp"
+    if not getattr(cfg, "is_moe", False):
+        raise TrainingError(f"{key}={getattr(p, key.split('.')[1])} needs a mixture-of-experts model "
+                            f"(model.num_experts, e.g. model.preset=tiny-moe); set it to 1 for a dense model")
+    if cfg.num_experts % p.ep:
+        raise TrainingError(f"parallel.ep={p.ep} does not divide model.num_experts={cfg.num_experts}; choose an ep "
+                            f"that divides it")
+    if cfg.moe_ffn_size % p.etp:
+        raise TrainingError(f"parallel.etp={p.etp} does not divide the expert FFN size {cfg.moe_ffn_size} "
+                            f"(model.moe_ffn_hidden_size)")
+    if p.fsdp:
+        raise TrainingError(f"parallel.fsdp with {key} > 1 is not supported yet (FSDP would shard the experts over "
+                            f"ranks that hold different ones); use the distributed optimizer instead")
 
 
 def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:

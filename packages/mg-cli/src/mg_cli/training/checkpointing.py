@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from mg_ckpt import CheckpointSaver, ShardedTensor, load_checkpoint
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.moe import expert_shard_info, is_expert_param
 from mg_parallel.tensor_parallel import is_tensor_parallel, shard_info
+from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
@@ -48,7 +50,10 @@ def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: boo
     """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
     tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
     rank, count = 0, 1
-    if is_fsdp(param):  # sharded over dp x cp, replicated across HSDP's groups
+    if is_expert_param(param) and grid.ep_size > 1:
+        if not dp_sharded:  # replicated over the ranks holding the same experts (the distributed optimizer shards there)
+            rank, count = group_rank(grid.expert_dp_group), group_size(grid.expert_dp_group)
+    elif is_fsdp(param):  # sharded over dp x cp, replicated across HSDP's groups
         from mg_parallel.distributed.fsdp import replicas
 
         rank, count = replicas(param)
@@ -57,6 +62,14 @@ def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: boo
     if not tp_sharded:
         rank, count = rank * grid.tp_size + grid.tp_rank, count * grid.tp_size
     return rank, count
+
+
+def global_block(param: torch.Tensor, grid: ProcessGrid, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global shape of ``param`` and the offset of this rank's block: experts split over ep (and etp), other
+    tensor-parallel weights over tp."""
+    if is_expert_param(param):
+        return expert_shard_info(param, tp_size=grid.tp_size, tp_rank=grid.tp_rank)
+    return shard_info(param, grid, name=name)
 
 
 def is_fsdp(param: torch.Tensor) -> bool:
@@ -85,7 +98,7 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING
-            gshape, goffset = shard_info(param, grid, name=name)
+            gshape, goffset = global_block(param, grid, name)
             r, n = _replicas(param, name, grid, dp_sharded=False)
             if for_load:
                 r, n = 0, 1  # replica bookkeeping only matters when writing
@@ -148,7 +161,7 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
                 if not for_load:
                     continue
                 key = WORD_EMBEDDING
-            gshape, goffset = shard_info(param, grid, name=name)
+            gshape, goffset = global_block(param, grid, name)
             r, n = _replicas(param, name, grid, dp_sharded=distributed)
             if for_load:
                 r, n = 0, 1

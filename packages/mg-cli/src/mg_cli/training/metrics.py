@@ -110,7 +110,8 @@ def effective_settings(run: Any) -> dict[str, Any]:
     micro_batches (per optimizer step and data-parallel rank) and schedule (the pipeline schedule:
     no_pipelining, 1f1b or interleaved); with context parallelism (cp > 1) also cp and cp_comm, as the
     model's attention runs them; with fully sharded data parallelism also fsdp, fsdp_shard_size (the ranks each
-    parameter is split over) and offload_optimizer, as the sharded chunks have them.
+    parameter is split over) and offload_optimizer, as the sharded chunks have them; for a mixture-of-experts
+    model also ep, etp and experts (the expert computation path of this rank's MoE layers).
     """
     from mg_parallel.precision import PRECISION_NAMES, Precision
 
@@ -133,7 +134,19 @@ def effective_settings(run: Any) -> dict[str, Any]:
         "schedule": run.forward_backward.__name__.removeprefix("forward_backward_"),
         **({"cp": ctx.cp_size, "cp_comm": ctx.cp_comm} if ctx.cp_size > 1 else {}),
         **({"fsdp": True, "fsdp_shard_size": fsdp.shard_size, "offload_optimizer": fsdp.offload} if fsdp else {}),
+        **_expert_settings(run, inner),
     }
+
+
+def _expert_settings(run: Any, inner: list[Any]) -> dict[str, Any]:
+    """MoE models: ep, etp and how this rank computes its experts (``grouped_mm`` or ``loop``; ``none`` on a
+    pipeline stage without MoE layers)."""
+    from mg_parallel.moe import GroupedExperts
+
+    if not getattr(run.model_config, "is_moe", False):
+        return {}
+    paths = {m.path for chunk in inner for m in chunk.modules() if isinstance(m, GroupedExperts)}
+    return {"ep": run.grid.ep_size, "etp": run.grid.etp_size, "experts": ",".join(sorted(paths)) or "none"}
 
 
 def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:

@@ -149,4 +149,5 @@ def layout_key(grid: Any, config: RunConfig) -> str:
     do = int(p.use_distributed_optimizer)
     cp = f"-cp{grid.cp_size}" if grid.cp_size > 1 else ""
     fsdp = f"-fsdp{p.fsdp_shard_size or grid.dp_size * grid.cp_size}" if p.fsdp else ""
-    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}{cp}{fsdp}"
+    ep = f"-ep{grid.ep_size}-etp{grid.etp_size}" if grid.ep_size > 1 or grid.etp_size > 1 else ""
+    return f"tp{grid.tp_size}-pp{grid.pp_size}-dp{grid.dp_size}-vpp{grid.dims.vpp}-do{do}{cp}{fsdp}{ep}"

@@ -30,6 +30,9 @@ __all__ = ["DistributedDataParallel"]
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data parallelism over ``grid.dp_cp_group``.
 
+    With expert parallelism (``grid.ep_size > 1``) the parameters tagged ``expert_parallel`` get buffers
+    of their own, reduced (and sharded by the distributed optimizer) over ``grid.expert_dp_group``.
+
     Args:
         module: the model (chunk); its parameters keep their dtype (bf16/fp16/fp32).
         grid: the process grid.
@@ -93,32 +96,33 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = group_size(self.dp_group)
         self.dp_rank = group_rank(self.dp_group)
         self._sync_enabled = True
-        if getattr(grid, "ep_size", 1) > 1 and any(getattr(q, "expert_parallel", False) for q in module.parameters()):
-            # Averaging them over dp x cp would mix the gradients of different experts (one per ep rank).
-            raise ValueError("DistributedDataParallel does not reduce expert-parallel parameters yet (parallel.ep="
-                             f"{grid.ep_size}): average their gradients over the expert-data-parallel group with "
-                             "mg_parallel.moe.allreduce_expert_grads and wrap only the dense parameters")
-
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        # Expert weights (split over the ep group) are reduced over the ranks holding the same experts, in
+        # buffers of their own; with ep = 1 that group is dp x cp itself and they are ordinary parameters.
+        experts = getattr(grid, "ep_size", 1) > 1
+        self._comms = {False: _Comm(self.dp_group, self.dp_size)}
+        if experts:
+            self._comms[True] = _Comm(grid.expert_dp_group, self.dp_size)
+        by_kind: dict[tuple[bool, torch.dtype], list[nn.Parameter]] = {}
         seen: set[int] = set()
         for p in module.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                by_dtype.setdefault(p.dtype, []).append(p)
+                by_kind.setdefault((experts and bool(getattr(p, "expert_parallel", False)), p.dtype), []).append(p)
         device = next(iter(module.parameters())).device if seen else grid.device
-        # Padding keeps every shard the same size and reasonably aligned.
-        shard_multiple = math.lcm(self.dp_size, 64) if use_distributed_optimizer else 1
         self.buffers: list[GradBuffer] = []
-        for dtype, params in by_dtype.items():
+        self._comm_of: dict[int, _Comm] = {}  # id(bucket) -> the group it is reduced over
+        for (expert, dtype), params in sorted(by_kind.items(), key=lambda kv: kv[0][0]):  # dense buffers first
+            comm = self._comms[expert]
             grad_dtype = torch.float32 if grad_reduce_in_fp32 else dtype
             elem = torch.empty((), dtype=grad_dtype).element_size()
-            self.buffers.append(
-                GradBuffer(
-                    params, grad_dtype=grad_dtype, bucket_numel=max(1, int(bucket_size_mb * 2**20 / elem)),
-                    shard_multiple=shard_multiple, contiguous_params=use_distributed_optimizer,
-                    device=device, per_bucket_storage=zero_stage == 2,
-                )
+            buf = GradBuffer(
+                params, grad_dtype=grad_dtype, bucket_numel=max(1, int(bucket_size_mb * 2**20 / elem)),
+                # Padding keeps every shard the same size and reasonably aligned.
+                shard_multiple=math.lcm(comm.size, 64) if use_distributed_optimizer else 1,
+                contiguous_params=use_distributed_optimizer, device=device, per_bucket_storage=zero_stage == 2,
             )
+            self.buffers.append(buf)
+            self._comm_of.update({id(b): comm for b in buf.buckets})
         # A global order of buckets (buffer by buffer) so every rank issues collectives identically.
         self.buckets: list[Bucket] = [b for buf in self.buffers for b in buf.buckets]
         self._bucket_of: dict[int, int] = {}
@@ -205,16 +209,18 @@ class DistributedDataParallel(nn.Module):
         if self.zero_stage == 2:
             ensure_bucket(bucket)
         bucket.launched = True
-        if self.dp_size == 1:
+        comm = self._comm_of[id(bucket)]
+        if comm.divisor > 1:
+            # Pre-divide so the sum is the average (and bf16 sums stay in range).
+            bucket.grad_data.mul_(1.0 / comm.divisor)
+        if comm.size == 1:
             return
-        # Pre-divide so the sum is the average (and bf16 sums stay in range).
-        bucket.grad_data.mul_(1.0 / self.dp_size)
         if self.use_distributed_optimizer:
-            n = bucket.numel // self.dp_size
-            shard = bucket.grad_data[self.dp_rank * n : (self.dp_rank + 1) * n]
-            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=self.dp_group, async_op=async_op)
+            n = bucket.numel // comm.size
+            shard = bucket.grad_data[comm.rank * n : (comm.rank + 1) * n]
+            bucket.handle = reduce_scatter_tensor(shard, bucket.grad_data, group=comm.group, async_op=async_op)
         else:
-            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=comm.group, async_op=async_op)
 
     def finish_grad_sync(self) -> None:
         """Issue any bucket not yet reduced and wait for all; after this every ``main_grad`` (or,
@@ -236,14 +242,15 @@ class DistributedDataParallel(nn.Module):
         group. With ``overlap`` the gathers run asynchronously and each module waits for its own
         buckets in its next forward (code that reads parameters outside a forward, e.g. saving a
         checkpoint, must call :meth:`finish_param_sync` first)."""
-        if not self.use_distributed_optimizer or self.dp_size == 1:
+        if not self.use_distributed_optimizer:
             return
         for b in self.buckets:
+            comm = self._comm_of[id(b)]
+            if comm.size == 1:
+                continue
             lo, hi = self.local_shard(b)
             assert b.param_data is not None
-            b.gather_handle = all_gather_into_tensor(
-                b.param_data, b.param_data[lo:hi], group=self.dp_group, async_op=True
-            )
+            b.gather_handle = all_gather_into_tensor(b.param_data, b.param_data[lo:hi], group=comm.group, async_op=True)
         if not overlap:
             self.finish_param_sync()
 
@@ -273,5 +280,20 @@ class DistributedDataParallel(nn.Module):
         without the distributed optimizer)."""
         if not self.use_distributed_optimizer:
             return 0, bucket.numel
-        n = bucket.numel // self.dp_size
-        return self.dp_rank * n, (self.dp_rank + 1) * n
+        comm = self._comm_of[id(bucket)]
+        n = bucket.numel // comm.size
+        return comm.rank * n, (comm.rank + 1) * n
+
+
+class _Comm:
+    """The group a buffer's buckets are reduced (and, with the distributed optimizer, sharded) over.
+
+    ``divisor`` is what the gradients are divided by before the sum: the data-parallel size (dp x cp) for
+    every buffer. An expert's gradient already sums the tokens of its ep group's ranks, so summing it over
+    the expert-data-parallel group (dp x cp / ep ranks) and dividing by dp x cp is the same mean over every
+    data-parallel rank's micro-batch as a dense weight gets.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, divisor: int) -> None:
+        self.group, self.divisor = group, divisor
+        self.size, self.rank = group_size(group), group_rank(group)

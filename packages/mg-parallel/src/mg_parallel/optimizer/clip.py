@@ -11,6 +11,10 @@ A parameter's gradient must be counted exactly once in the global norm:
 * without the distributed optimizer every data/context-parallel replica holds the same full
   gradients, so only context rank 0 counts and the sum runs over the model-parallel group;
   with it, the dp/cp ranks hold disjoint shards, so all count and the sum runs over every rank.
+* with expert parallelism (ep > 1) the ep ranks of dp x cp hold different experts, so the sum runs
+  over every rank: a dense gradient counts on data/context rank 0 only (all of them with the
+  distributed optimizer), an expert gradient (``param.expert_parallel``) on expert-data-parallel
+  rank 0 only (all of them with the distributed optimizer, which shards experts over that group).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.tensor_parallel.utils import is_tensor_parallel
+from mg_parallel.tensor_parallel.utils import group_rank, is_tensor_parallel
 
 __all__ = ["counts_in_norm", "global_grad_norm", "clip_grads"]
 
@@ -35,7 +39,13 @@ def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: b
         return False
     if getattr(param, "shared_embedding", False) and grid.pp_size > 1 and not grid.is_first_stage:
         return False
-    return sharded_over_dp or grid.cp_rank == 0
+    if sharded_over_dp:
+        return True
+    if getattr(grid, "ep_size", 1) > 1:  # the norm sums over every rank: one replica counts
+        if getattr(param, "expert_parallel", False):
+            return group_rank(grid.expert_dp_group) == 0
+        return grid.cp_rank == 0 and grid.dp_rank == 0
+    return grid.cp_rank == 0
 
 
 def global_grad_norm(
@@ -56,7 +66,7 @@ def global_grad_norm(
         # One multi-tensor norm per device; squaring the per-tensor norms back is exact to ~1 ulp.
         total += torch.stack(torch._foreach_norm(dev_grads)).square().sum().to(device)
     if grid.world_size > 1:
-        if sharded_over_dp:
+        if sharded_over_dp or getattr(grid, "ep_size", 1) > 1:
             dist.all_reduce(total)
         elif grid.model_parallel_group is not None:
             dist.all_reduce(total, group=grid.model_parallel_group)
