@@ -52,14 +52,22 @@ def moe_reference(layout_runs):
     assert sorted(records) == list(range(1, 13))
     assert records[12]["loss"] < records[1]["loss"] - 0.2, "the tiny MoE model did not learn"
     assert all(r["load_balancing_loss"] > 0 for r in records.values()), "no aux loss was logged"
+    for r in records.values():  # dropless routing over both MoE layers, with the load of each logged
+        assert r["moe_dropped_fraction"] == 0
+        for layer in (0, 1):
+            assert r[f"moe_load/{layer}/min"] <= 1 <= r[f"moe_load/{layer}/max"] and r[f"moe_load/{layer}/std"] >= 0
     assert_reports_settings(log, out, 1, MOE_SETTINGS)
     return records, read_checkpoint(ckpt / "iter_0000012", "model/")
 
 
 def assert_same_aux_loss(records: dict[int, dict], ref: dict[int, dict], what: str) -> None:
+    """The aux loss within 1e-5, and every expert load figure as the reference's (the same tokens reach the same
+    experts at every layout)."""
     for it, r in ref.items():
         got = records[it]["load_balancing_loss"]
         assert got == pytest.approx(r["load_balancing_loss"], rel=1e-5), f"{what}: aux loss at iteration {it}"
+        loads = {k: v for k, v in r.items() if k.startswith("moe_load/")}
+        assert {k: records[it][k] for k in loads} == pytest.approx(loads, rel=1e-9), f"{what}: loads at {it}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

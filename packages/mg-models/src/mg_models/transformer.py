@@ -101,6 +101,7 @@ class TransformerLayer(nn.Module):
                  submodules: TransformerLayerSubmodules) -> None:
         super().__init__()
         self.ctx = ctx
+        self.layer_number = layer_number
         self.hidden_dropout = ctx.config.hidden_dropout
         self.input_layernorm = build_module(submodules.input_layernorm, ctx, f"{prefix}.input_layernorm")
         self.self_attention = build_module(submodules.self_attention, ctx, f"{prefix}.self_attention",

@@ -1,4 +1,4 @@
-"""``mg plot LOGDIR``: loss, validation loss and throughput curves from metrics.jsonl as a PNG."""
+"""``mg plot LOGDIR``: loss, validation loss, throughput and MoE load-balance curves from metrics.jsonl as a PNG."""
 
 from __future__ import annotations
 
@@ -30,9 +30,15 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def moe_layers(rows: list[dict]) -> list[int]:
+    """The MoE layers whose expert load ``metrics.jsonl`` records (``moe_load/<layer>/max``), in order."""
+    return sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("moe_load/") and k.endswith("/max")})
+
+
 def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
-    """Draw loss (train and validation), tokens/s and the ``eval/<task>/<metric>`` values of ``eval.tasks`` against
-    iteration into ``out`` (PNG)."""
+    """Draw loss (train and validation), tokens/s, the ``eval/<task>/<metric>`` values of ``eval.tasks`` and, for a
+    mixture of experts, each MoE layer's expert load (the most and least loaded expert's tokens as a multiple of
+    the mean) against iteration into ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +48,9 @@ def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
     val = [r for r in rows if "val_loss" in r and "iteration" in r]
     # eval.tasks metrics (perplexity left out: nll_per_token carries it on a scale the others share)
     tasks = sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("/perplexity")})
-    fig, axes = plt.subplots(1, 3 if tasks else 2, figsize=(16.5 if tasks else 11, 4))
+    layers = moe_layers(rows)
+    n = 2 + bool(tasks) + bool(layers)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4))
     ax_loss, ax_tps = axes[0], axes[1]
     if tasks:
         for key in tasks:
@@ -52,6 +60,18 @@ def plot_metrics(rows: list[dict], out: Path, title: str = "") -> Path:
         axes[2].set_ylabel("eval.tasks metrics")
         axes[2].legend(fontsize="small")
         axes[2].grid(alpha=0.3)
+    if layers:
+        ax = axes[-1]
+        for i, layer in enumerate(layers):
+            color = f"C{i % 10}"
+            for end, style in (("max", "-"), ("min", "--")):
+                points = [(r["iteration"], r[f"moe_load/{layer}/{end}"]) for r in train if f"moe_load/{layer}/{end}" in r]
+                ax.plot(*zip(*points), style, color=color, lw=1, label=f"layer {layer} {end}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("expert load / mean (max solid, min dashed)")
+        ax.legend(fontsize="x-small", ncol=2)
+        ax.grid(alpha=0.3)
     if train:
         ax_loss.plot([r["iteration"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
     if val:

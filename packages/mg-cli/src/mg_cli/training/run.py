@@ -49,6 +49,8 @@ class Run:
     labels: tuple[list[str] | None, int] | None = None
     """Classification: (label names, or None for integer labels; number of labels), saved with checkpoints."""
     tokenizer: Any = None
+    moe: Any = None
+    """``MoEStep``: the MoE layers' per-step bookkeeping (aux-loss scale, expert bias, routing metrics)."""
 
     @property
     def num_micro(self) -> int:
@@ -98,7 +100,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         forward_backward = functools.update_wrapper(
             functools.partial(forward_backward, finalize_grads=finalize_fsdp_grads), forward_backward)
     family, task = config.model.type, config.data.sentence_task
-    return Run(
+    run = Run(
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
         forward_backward=forward_backward,
@@ -113,6 +115,10 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         saver=saver, start_iter=start_iter, init_report=init_report, labels=plan.labels,
         tokenizer=plan.tokenizer,
     )
+    from mg_cli.training.moe import MoEStep
+
+    run.moe = MoEStep(run)
+    return run
 
 
 def resume(load_path: str, config: RunConfig, env: Env, grid: Any, rng: Any, model: list[Any], optimizer: Any,

@@ -43,26 +43,19 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
         group["lr"] = lr
     t0 = time.perf_counter()
     optimizer.zero_grad()
-    routers = _routers(run)
-    router_losses: list[dict[str, torch.Tensor]] = []
-    hooks = [r.register_forward_hook(lambda m, args, out: router_losses.append(m.losses)) for r in routers]
-    for router in routers:  # the auxiliary losses are scaled as each micro-batch's loss is
-        router.aux_loss_grad_scale = optimizer.loss_scale / run.num_micro
+    moe = run.moe
+    moe.start(optimizer.loss_scale, run.num_micro)
     try:
         losses = run.forward_backward(run.forward_step, batches, run.model, run.num_micro, grid,
                                       tensor_shape=run.tensor_shape, dtype=run.dtype,
                                       scale_loss=optimizer.scale_loss if run.fp16 else None)
     finally:
-        for hook in hooks:
-            hook.remove()
-    for router in routers:
-        router.update_expert_bias()  # aux-loss-free balancing: once per step, from this step's loads
+        moe.finish()
     run.saver.wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
     applied, grad_norm = optimizer.step()
     loss = float(average_losses(losses, grid))
     parts = {k: float(average_losses(losses, grid, key=k)) for k in run.logged_losses}
-    if getattr(run.model_config, "is_moe", False):
-        parts.update(_router_losses(router_losses, grid))
+    parts.update(moe.metrics())
     if grid.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -73,34 +66,6 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
         )
     return StepResult(iteration=iteration, loss=loss, parts=parts, lr=lr, applied=applied,
                       grad_norm=float(grad_norm) if grad_norm is not None else None, seconds=seconds)
-
-
-def _routers(run: Run) -> list[Any]:
-    """The MoE routers of this rank's model chunks (none for a dense model, or a stage without MoE layers)."""
-    from mg_parallel.moe import TopKRouter
-
-    return [m for chunk in run.model for m in chunk.modules() if isinstance(m, TopKRouter)]
-
-
-def _router_losses(values: list[dict[str, torch.Tensor]], grid: Any) -> dict[str, float]:
-    """``load_balancing_loss`` / ``z_loss`` (those enabled): their mean over every MoE layer and micro-batch of the
-    step (``values``: each router forward's ``losses`` on this rank; tensor- and context-parallel peers repeat the
-    same values, which leaves the mean unchanged). One all-reduce over every rank, stages without MoE layers
-    included."""
-    import torch.distributed as dist
-
-    keys = ("load_balancing_loss", "z_loss")
-    sums = torch.zeros(2 * len(keys), dtype=torch.float64)
-    for losses in values:
-        for i, key in enumerate(keys):
-            if key in losses:
-                sums[2 * i] += float(losses[key])
-                sums[2 * i + 1] += 1
-    if grid.world_size > 1:
-        sums = sums.to(grid.device)
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-    return {key: float(sums[2 * i] / sums[2 * i + 1]) for i, key in enumerate(keys) if sums[2 * i + 1] > 0}
 
 
 def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:

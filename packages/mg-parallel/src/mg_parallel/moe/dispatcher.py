@@ -92,6 +92,8 @@ class _Dispatcher:
         self.num_experts, self.config, self.ep_group = num_experts, config, ep_group
         self.ep, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         self.num_local_experts = num_experts // self.ep
+        self.dropped: torch.Tensor | int = 0
+        """Choices (token, expert) the last dispatch dropped for capacity (a 0-d tensor, or 0 when dropless)."""
 
     def _capacity(self, num_tokens: int) -> int | None:
         factor = self.config.moe_expert_capacity_factor
@@ -101,8 +103,11 @@ class _Dispatcher:
         """Global expert of each assignment ``[T*k]``, -1 where capacity drops it; and the capacity."""
         capacity = self._capacity(indices.shape[0])
         targets = indices.flatten()
+        self.dropped = 0
         if capacity is not None:
-            targets = torch.where(keep_within_capacity(indices, probs, self.num_experts, capacity).flatten(), targets, -1)
+            keep = keep_within_capacity(indices, probs, self.num_experts, capacity).flatten()
+            targets = torch.where(keep, targets, -1)
+            self.dropped = (~keep).sum()
         return targets, capacity
 
     def _pad(self, capacity: int | None) -> int | None:

@@ -96,6 +96,8 @@ class TopKRouter(nn.Module):
             added to the loss; set it to what your loss is multiplied by, e.g. ``1/num_microbatches``).
         losses: after a forward, ``{"load_balancing_loss", "z_loss"}`` (the enabled ones), detached,
             the exact values of their definitions.
+        tokens_per_expert: after a forward, ``[N]`` choices of this rank's tokens per expert (before any
+            capacity dropping), detached.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         self.aux_loss_grad_scale = 1.0
         self.losses: dict[str, torch.Tensor] = {}
+        self.tokens_per_expert: torch.Tensor | None = None
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.moe_router_score_function == "sigmoid":
@@ -152,6 +155,7 @@ class TopKRouter(nn.Module):
         basis = logits if post_softmax else scores
         chosen_by = basis if self.expert_bias is None else basis + self.expert_bias.to(basis.dtype)
         indices = torch.topk(chosen_by.detach(), self.topk, dim=-1).indices  # [T, k]
+        self.tokens_per_expert = torch.bincount(indices.flatten(), minlength=self.num_experts)
         if post_softmax:
             probs = torch.softmax(logits.gather(1, indices).float(), dim=-1).to(logits.dtype)
         else:
