@@ -22,6 +22,7 @@ accumulated micro-batches through ``forward_backward_no_pipelining`` and ``optim
 from __future__ import annotations
 
 import argparse
+import ctypes
 import resource
 import statistics
 import time
@@ -31,6 +32,7 @@ import torch
 from mg_parallel.testing import run_distributed, shutdown_pools
 
 VOCAB, N_MICRO = 8192, 2
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number
 MODES = ("ddp", "distributed optimizer", "fsdp")
 
 
@@ -39,8 +41,13 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int) -> tuple[list[float], float, int]:
+def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0
+          ) -> tuple[list[float], float, int]:
     """(step seconds, peak RSS growth in MB, parameter count) of ``steps`` steps on this rank."""
+    if mmap_threshold:
+        # glibc serves allocations above its mmap threshold with mmap and unmaps them when freed; the threshold
+        # otherwise rises with every large free, after which freed layer-sized buffers stay resident.
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, mmap_threshold)
     from mg_models import GPTConfig, GPTModel
     from mg_parallel.distributed import DistributedDataParallel
     from mg_parallel.grid import ParallelDims, build_grid
@@ -81,10 +88,11 @@ def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int)
     return times, peak - base, params
 
 
-def on_fresh_pair(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int
+def on_fresh_pair(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0
                   ) -> list[tuple[list[float], float, int]]:
     shutdown_pools()  # ru_maxrss is a process's lifetime peak: every measurement gets new processes
-    return run_distributed(train, 2, mode, layers, hidden, seq, micro, steps, threads=1, timeout=3600)
+    return run_distributed(train, 2, mode, layers, hidden, seq, micro, steps, mmap_threshold, threads=1,
+                           timeout=3600)
 
 
 def step_times(args: argparse.Namespace) -> None:
@@ -114,7 +122,7 @@ def largest_within_cap(mode: str, args: argparse.Namespace) -> tuple[int, float,
     seen: dict[int, tuple[float, int]] = {}
 
     def fits(layers: int) -> bool:
-        ranks = on_fresh_pair(mode, layers, args.mem_hidden, args.mem_seq, 1, 3)
+        ranks = on_fresh_pair(mode, layers, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold)
         seen[layers] = (max(r[1] for r in ranks), ranks[0][2])
         ok = seen[layers][0] <= args.cap_mb
         print(f"  {mode}: {layers} layers, {seen[layers][1] / 1e6:.1f}M parameters: peak {seen[layers][0]:.0f} MB "
@@ -154,12 +162,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cap-mb", type=float, default=1200)
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="memory part: fix glibc's mmap threshold at this many bytes in every rank (0: glibc's default)")
+    ap.add_argument("--probe", type=int, default=0, help="only measure both modes at this many layers")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     args = ap.parse_args()
     if not args.skip_time:
         step_times(args)
-    if not args.skip_memory:
+    if args.probe:
+        for mode in ("ddp", "fsdp"):
+            ranks = on_fresh_pair(mode, args.probe, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold)
+            print(f"  {mode}: {args.probe} layers, peak {max(r[1] for r in ranks):.0f} MB per rank", flush=True)
+    elif not args.skip_memory:
         memory_cap(args)
 
 

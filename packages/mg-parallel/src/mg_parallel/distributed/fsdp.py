@@ -60,15 +60,16 @@ _PARAM_TAGS = ("tensor_parallel", "partition_dim", "sequence_parallel", "shared_
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of every outermost ``nn.ModuleList`` in ``model`` (its transformer layers)."""
+    """The children of every outermost ``nn.ModuleList`` or ``nn.ModuleDict`` in ``model`` (its transformer
+    layers)."""
     out: list[nn.Module] = []
     inside: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in inside):
             continue
-        if isinstance(module, nn.ModuleList):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             inside.append(name)
-            out.extend(module)
+            out.extend(module.values() if isinstance(module, nn.ModuleDict) else module)
     return out
 
 
@@ -108,8 +109,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the grid's data-parallel ranks, block by block, then the root.
 
-    Each block (``blocks``, or else every child of every outermost ``nn.ModuleList`` in ``model``,
-    i.e. the transformer layers) becomes one FSDP unit whose parameters are all-gathered before its
+    Each block (``blocks``, or else every child of every outermost ``nn.ModuleList`` or ``nn.ModuleDict`` in
+    ``model``, i.e. the transformer layers) becomes one FSDP unit whose parameters are all-gathered before its
     forward and backward and reduce-scattered after its backward; the root unit holds the rest
     (embeddings, final norm, output head, and a tied output weight together with its embedding).
     Each parameter is split along dim 0 over the data-parallel ranks (uneven sizes are padded);
