@@ -13,7 +13,11 @@ accumulated micro-batches through ``forward_backward_no_pipelining`` and ``optim
 2. Memory cap: per-rank peak resident memory (``ru_maxrss``, what a cgroup memory limit counts) above the
    same process's resident memory before the model is built, over building the model, wrapping it and
    three training steps, with samples short enough (``--mem-seq``) that parameter state, not activations,
-   fills the memory. Each candidate runs in a fresh pair of processes; the layer count is searched
+   fills the memory, and one micro-batch per step (``--mem-micro``: with more, FSDP holds a whole unsharded
+   gradient between micro-batches, since it reduce-scatters only in the last one). Every rank first fixes
+   glibc's mmap threshold (``--mmap-threshold``, 64 KiB): by default the threshold rises with each large
+   free, after which the layer-sized buffers FSDP gathers and frees stay resident in the heap and the
+   resident size no longer follows live memory (with glibc's default FSDP peaks above DDP). Each candidate runs in a fresh pair of processes; the layer count is searched
    (doubling, then bisection) for the largest that stays within ``--cap-mb`` with plain DDP and with FSDP.
 
     .venv/bin/python benchmarks/bench_fsdp.py [--hidden 256] [--layers 8] [--cap-mb 1200] [--reps 3]
@@ -41,8 +45,8 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0
-          ) -> tuple[list[float], float, int]:
+def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0,
+          n_micro: int = N_MICRO) -> tuple[list[float], float, int]:
     """(step seconds, peak RSS growth in MB, parameter count) of ``steps`` steps on this rank."""
     if mmap_threshold:
         # glibc serves allocations above its mmap threshold with mmap and unmaps them when freed; the threshold
@@ -71,7 +75,7 @@ def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int,
         chunk = DistributedDataParallel(model, grid, use_distributed_optimizer=distributed)
     opt = build_optimizer([chunk], grid, OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed))
     gen = torch.Generator().manual_seed(grid.dp_rank)
-    tokens = torch.randint(0, VOCAB, (N_MICRO, micro, seq + 1), generator=gen)
+    tokens = torch.randint(0, VOCAB, (n_micro, micro, seq + 1), generator=gen)
 
     def forward_step(batch, m):
         return m(batch[:, :-1], labels=batch[:, 1:]), lambda loss: (loss.mean(), {})
@@ -80,7 +84,7 @@ def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int,
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        forward_backward_no_pipelining(forward_step, iter(tokens), [chunk], N_MICRO, grid,
+        forward_backward_no_pipelining(forward_step, iter(tokens), [chunk], n_micro, grid,
                                        tensor_shape=(seq, micro, hidden), finalize_grads=finalize)
         opt.step()
         times.append(time.perf_counter() - t0)
@@ -88,10 +92,10 @@ def train(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int,
     return times, peak - base, params
 
 
-def on_fresh_pair(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0
-                  ) -> list[tuple[list[float], float, int]]:
+def on_fresh_pair(mode: str, layers: int, hidden: int, seq: int, micro: int, steps: int, mmap_threshold: int = 0,
+                  n_micro: int = N_MICRO) -> list[tuple[list[float], float, int]]:
     shutdown_pools()  # ru_maxrss is a process's lifetime peak: every measurement gets new processes
-    return run_distributed(train, 2, mode, layers, hidden, seq, micro, steps, mmap_threshold, threads=1,
+    return run_distributed(train, 2, mode, layers, hidden, seq, micro, steps, mmap_threshold, n_micro, threads=1,
                            timeout=3600)
 
 
@@ -122,7 +126,7 @@ def largest_within_cap(mode: str, args: argparse.Namespace) -> tuple[int, float,
     seen: dict[int, tuple[float, int]] = {}
 
     def fits(layers: int) -> bool:
-        ranks = on_fresh_pair(mode, layers, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold)
+        ranks = on_fresh_pair(mode, layers, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold, args.mem_micro)
         seen[layers] = (max(r[1] for r in ranks), ranks[0][2])
         ok = seen[layers][0] <= args.cap_mb
         print(f"  {mode}: {layers} layers, {seen[layers][1] / 1e6:.1f}M parameters: peak {seen[layers][0]:.0f} MB "
@@ -143,8 +147,8 @@ def largest_within_cap(mode: str, args: argparse.Namespace) -> tuple[int, float,
 def memory_cap(args: argparse.Namespace) -> None:
     found = {m: largest_within_cap(m, args) for m in ("ddp", "fsdp")}
     print(f"largest GPT within {args.cap_mb} MB of resident memory per rank at dp2 (hidden {args.mem_hidden}, "
-          f"vocab {VOCAB}, {N_MICRO} x micro-batch 1 of {args.mem_seq} tokens, fp32 AdamW, peak over build + 3 "
-          f"steps):")
+          f"vocab {VOCAB}, {args.mem_micro} x micro-batch 1 of {args.mem_seq} tokens, fp32 AdamW, peak over build + 3 "
+          f"steps, glibc mmap threshold {args.mmap_threshold or 'default'}):")
     for m, (layers, peak, params) in found.items():
         print(f"  {m:5s} {layers:3d} layers, {params / 1e6:6.1f}M parameters, peak {peak:.0f} MB")
     ratio = found["fsdp"][2] / found["ddp"][2]
@@ -162,8 +166,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cap-mb", type=float, default=1200)
-    ap.add_argument("--mmap-threshold", type=int, default=0,
+    ap.add_argument("--mmap-threshold", type=int, default=65536,
                     help="memory part: fix glibc's mmap threshold at this many bytes in every rank (0: glibc's default)")
+    ap.add_argument("--mem-micro", type=int, default=1,
+                    help="memory part: micro-batches per step (> 1 accumulates unsharded gradients under FSDP)")
     ap.add_argument("--probe", type=int, default=0, help="only measure both modes at this many layers")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
@@ -172,7 +178,8 @@ def main() -> None:
         step_times(args)
     if args.probe:
         for mode in ("ddp", "fsdp"):
-            ranks = on_fresh_pair(mode, args.probe, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold)
+            ranks = on_fresh_pair(mode, args.probe, args.mem_hidden, args.mem_seq, 1, 3, args.mmap_threshold,
+                                  args.mem_micro)
             print(f"  {mode}: {args.probe} layers, peak {max(r[1] for r in ranks):.0f} MB per rank", flush=True)
     elif not args.skip_memory:
         memory_cap(args)

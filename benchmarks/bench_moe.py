@@ -9,6 +9,16 @@ alike; the median of the per-repetition ratios is printed. With one thread the t
 thread's CPU time (robust to other processes on a shared machine).
 
     .venv/bin/python benchmarks/bench_moe.py [--tokens 2048] [--hidden 512] [--ffn 1024] [--experts 8] [--topk 2]
+
+``--bytes``: all-to-all traffic of one MoE layer's forward+backward at ep 2 and 4 (``ep`` processes, the
+dispatcher's ``all_to_all_single`` calls wrapped to count what each rank sends to the others), per token,
+against the analytic ``2·k·h·bytes`` per direction (dispatch and combine each move every token's ``k``
+rows once; backward mirrors forward) times the share of choices that leave the rank: ``(ep-1)/ep`` for
+even routing, and the share the router really sent.
+
+``--gpt``: training-step tokens/s of a small MoE GPT against the dense GPT with the same active parameters
+(its FFN is ``k`` experts wide), one process, fp32, and the operators that take the time in each
+(``torch.profiler``, self CPU time).
 """
 
 from __future__ import annotations
@@ -61,6 +71,94 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[
     return step
 
 
+def _count_bytes(ep: int, tokens: int, h: int, f: int, n: int, k: int) -> dict[str, float]:
+    """On one of ``ep`` ranks: bytes this rank sends to other ranks in forward and backward, and the share of
+    its (token, expert) choices whose expert lives elsewhere."""
+    import torch.distributed as dist
+
+    from mg_parallel.grid import ParallelDims, build_grid
+    from mg_parallel.moe import comm
+
+    grid = build_grid(ParallelDims(ep=ep))
+    sent = {"forward": 0, "backward": 0}
+    original = comm._a2a
+
+    def counting(x, group, out_splits, in_splits):
+        rows = sum(in_splits) - in_splits[dist.get_rank(group)]  # rows that leave this rank
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        sent[phase] += rows * x[0].numel() * x.element_size() if x.shape[0] else 0
+        return original(x, group, out_splits, in_splits)
+
+    comm._a2a = counting
+    try:
+        torch.manual_seed(0)  # the same router on every rank
+        layer = MoELayer(h, f, n, MoEConfig(moe_router_topk=k, moe_router_load_balancing_type="none"), grid)
+        gen = torch.Generator().manual_seed(1 + grid.rank)
+        x = torch.randn(tokens, h, generator=gen, requires_grad=True)
+        layer(x).sum().backward()
+        indices = torch.topk(x.detach() @ layer.router.weight.detach().T, k, dim=-1).indices
+        away = (indices // (n // ep) != grid.ep_rank).float().mean().item()
+    finally:
+        comm._a2a = original
+    return {**{p: b / tokens for p, b in sent.items()}, "away": away}
+
+
+def bench_bytes(args: argparse.Namespace) -> None:
+    from mg_parallel.testing import run_distributed
+
+    h, f, n, k = args.hidden, args.ffn, args.experts, args.topk
+    print(f"all-to-all bytes per token per MoE layer (h={h}, top-{k}, {n} experts, fp32, {args.tokens} tokens per "
+          f"rank); analytic 2·k·h·4 = {2 * k * h * 4} bytes per direction before the share that leaves the rank:")
+    for ep in (2, 4):
+        ranks = run_distributed(_count_bytes, ep, ep, args.tokens, h, f, n, k, timeout=600)
+        for phase in ("forward", "backward"):
+            measured = statistics.mean(r[phase] for r in ranks)
+            away = statistics.mean(r["away"] for r in ranks)
+            exact, even = 2 * k * h * 4 * away, 2 * k * h * 4 * (ep - 1) / ep
+            print(f"  ep{ep} {phase:8s}: {measured:8.1f} B/token; analytic x routed share {away:.3f} = {exact:8.1f} "
+                  f"(ratio {measured / exact:.4f}); x even share {(ep - 1) / ep:.3f} = {even:8.1f}")
+
+
+def bench_gpt(args: argparse.Namespace) -> None:
+    from mg_models import GPTConfig, GPTModel
+
+    common = dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=4096, max_position_embeddings=256,
+                  position_embedding="rope", normalization="rmsnorm", activation="swiglu", add_bias_linear=False)
+    f, n, k = 256, 8, 2
+    models = {
+        f"MoE ({n} experts of {f}, top-{k})": GPTConfig(**common, ffn_hidden_size=k * f, num_experts=n,
+                                                         moe_ffn_hidden_size=f, moe_router_topk=k,
+                                                         moe_aux_loss_coeff=1e-2),
+        f"dense (FFN {k * f}, the same active parameters)": GPTConfig(**common, ffn_hidden_size=k * f),
+    }
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 4096, (4, 257), generator=gen)
+    steps = {}
+    for name, cfg in models.items():
+        torch.manual_seed(0)
+        model = GPTModel(cfg, seed=0)
+
+        def step(model=model) -> None:
+            model.zero_grad(set_to_none=True)
+            model(batch[:, :-1], labels=batch[:, 1:]).mean().backward()
+
+        steps[name] = step
+    (moe_name, moe_step), (dense_name, dense_step) = steps.items()
+    print(f"GPT training step (4 layers, h=256, 4 x 256 tokens, fp32, {args.threads} thread(s)):")
+    ratio = _compare(moe_name, moe_step, dense_step, dense_name, args.reps)
+    print(f"  MoE tokens/s = {ratio:.2f} x the dense model's")
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        top = ", ".join(f"{e.key} {e.self_cpu_time_total / total:.0%}" for e in events[:8])
+        print(f"  {name}: self CPU time by operator: {top}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -70,9 +168,15 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bytes", action="store_true", help="only the all-to-all bytes at ep 2 and 4")
+    ap.add_argument("--gpt", action="store_true", help="only the MoE GPT vs the dense GPT")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.bytes:
+        return bench_bytes(args)
+    if args.gpt:
+        return bench_gpt(args)
     h, f, n, k = args.hidden, args.ffn, args.experts, args.topk
 
     hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=n,
