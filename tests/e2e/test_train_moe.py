@@ -1,13 +1,13 @@
 """`mg train` of a mixture-of-experts GPT with expert parallelism (``parallel.ep``) against one process.
 
-The tiny MoE GPT (``tiny-moe``: 2 layers, 4 experts, top-2, the Switch aux loss on) trains 12 iterations; the
-logged aux loss is the mean over every MoE layer and micro-batch of the step, the same at every layout.
-Experts are split over the ep ranks of dp, tokens travel to them by all-to-all, and expert gradients are
+The tiny MoE GPT (``tiny-moe`` at the tiny GPT's 4 layers, 4 experts, top-2, the Switch aux loss on) trains 12
+iterations; the logged aux loss is the mean over every MoE layer and micro-batch of the step, the same at every
+layout. Experts are split over the ep ranks of dp, tokens travel to them by all-to-all, and expert gradients are
 averaged over the ranks holding the same experts, so the loss, the aux loss and the gradient norm at every
-iteration, and every parameter after the last one, must match the one-process run within 1e-5: at ep2, ep2
-under tp2 with sequence parallelism, ep2 x pp2 (one MoE layer per stage), ep2 with the distributed optimizer,
-ep4, and ep2 over dp4. Experts are saved as global tensors, so an ep2 checkpoint resumes at ep1 and ep4, and
-bit-exactly at ep2.
+iteration, the expert loads, and every parameter after the last one must match the one-process run (1e-5): at
+ep2, ep2 under tp2 with sequence parallelism, ep2 x pp2 (two MoE layers per stage), ep2 with the distributed
+optimizer, ep4, ep2 over dp4, and pp2 x ep2 with a first stage of dense layers. Experts are saved as global
+tensors, so an ep2 checkpoint resumes at ep1, ep4 and etp2, and bit-exactly at ep2.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def moe_reference(layout_runs):
     assert sorted(records) == list(range(1, 13))
     assert records[12]["loss"] < records[1]["loss"] - 0.2, "the tiny MoE model did not learn"
     assert all(r["load_balancing_loss"] > 0 for r in records.values()), "no aux loss was logged"
-    for r in records.values():  # dropless routing over both MoE layers, with the load of each logged
+    for r in records.values():  # dropless routing over the four MoE layers, with the load of each logged
         assert r["moe_dropped_fraction"] == 0
-        for layer in (0, 1):
+        for layer in range(4):
             assert r[f"moe_load/{layer}/min"] <= 1 <= r[f"moe_load/{layer}/max"] and r[f"moe_load/{layer}/std"] >= 0
     assert_reports_settings(log, out, 1, MOE_SETTINGS)
     return records, read_checkpoint(ckpt / "iter_0000012", "model/")
@@ -81,12 +81,14 @@ def test_moe_layout_matches_single_process(layout, layout_runs, moe_reference):
     assert_same_parameters(read_checkpoint(ckpt / "iter_0000012", "model/"), moe_reference[1], layout)
 
 
-RESUMES = {"ep2 -> same": None, "ep2 -> ep1": (1, MOE), "ep2 -> ep4": (4, (*MOE, "parallel.ep=4"))}
+RESUMES = {"ep2 -> same": None, "ep2 -> ep1": (1, MOE), "ep2 -> ep4": (4, (*MOE, "parallel.ep=4")),
+           "ep2 -> tp2 etp2": (2, (*MOE, "parallel.tp=2", "parallel.etp=2"))}
 
 
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_moe_checkpoint_resumes(case, corpus, layout_runs, tmp_path):
-    """The ep2 checkpoint of iteration 6: bit-exact at ep2, within 1e-5 of the ep2 run at ep1 and ep4."""
+    """The ep2 checkpoint of iteration 6: bit-exact at ep2, within 1e-5 of the ep2 run at ep1, ep4 and with every
+    expert's FFN split over tp2 (etp2)."""
     nproc, sets, _ = LAYOUTS["ep2"]
     log, ckpt, _ = layout_runs.get(nproc, sets)
     straight = {it: r for it, r in iteration_records(log).items() if it > 6}
@@ -102,6 +104,23 @@ def test_moe_checkpoint_resumes(case, corpus, layout_runs, tmp_path):
     else:
         assert_same_training(resumed, straight, case)
         assert_same_aux_loss(resumed, straight, case)
+
+
+def test_pipeline_stage_without_moe_layers(layout_runs):
+    """Two dense first layers (``moe_layer_freq: [0, 0, 1, 1]``) at pp2 x ep2: the first stage has no MoE layer,
+    takes part in the routing metrics' all-reduce without one, and the run matches its one-process run."""
+    sets = (*MOE, "model.moe_layer_freq=[0,0,1,1]")
+    ref_log, ref_ckpt, _ = layout_runs.get(1, sets)
+    log, ckpt, out = layout_runs.get(4, (*sets, "parallel.pp=2", "parallel.ep=2"))
+    # rank 0 (the first stage) reports its own experts: none
+    assert_reports_settings(log, out, 4, {**MOE_SETTINGS, "pp": 2, "dp": 2, "micro_batches": 2, "schedule": "1f1b",
+                                          "ep": 2, "experts": "none"})
+    ref, records = iteration_records(ref_log), iteration_records(log)
+    assert all("moe_load/2/max" in r and "moe_load/1/max" not in r for r in ref.values())
+    assert_same_training(records, ref, "pp2 x ep2, dense first stage")
+    assert_same_aux_loss(records, ref, "pp2 x ep2, dense first stage")
+    assert_same_parameters(read_checkpoint(ckpt / "iter_0000012", "model/"),
+                           read_checkpoint(ref_ckpt / "iter_0000012", "model/"), "pp2 x ep2, dense first stage")
 
 
 @pytest.mark.parametrize(
