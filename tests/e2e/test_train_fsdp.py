@@ -3,7 +3,7 @@
 FSDP shards every parameter, its gradient and its AdamW state over the data-parallel ranks and gathers each
 layer for its forward and backward, so the loss and the gradient norm at every iteration and every parameter
 after the last one must match the one-process run (the ``layout_runs`` reference of test_train_layouts) within
-1e-5: alone with optimizer offload, under tensor and sequence parallelism with recompute, under pipeline
+1e-5: alone, with optimizer offload, under tensor and sequence parallelism with recompute, under pipeline
 parallelism (a tied embedding across stages), and hybrid-sharded (dp4 as two groups of 2). Checkpoints hold the
 same global tensors as without FSDP, so they resume across FSDP and non-FSDP layouts without conversion.
 """
@@ -29,6 +29,7 @@ from tests.e2e.test_train_layouts import reference  # noqa: F401 - the one-proce
 FSDP = ("parallel.fsdp=true",)
 LAYOUTS = {
     # name: (processes, --set overrides, the effective settings the run must report besides BASE_SETTINGS)
+    "dp2-fsdp": (2, FSDP, {"dp": 2, "micro_batches": 2, "fsdp": True, "fsdp_shard_size": 2, "offload_optimizer": False}),
     "dp2-fsdp-offload": (2, (*FSDP, "parallel.offload_optimizer=true"),
                          {"dp": 2, "micro_batches": 2, "fsdp": True, "fsdp_shard_size": 2, "offload_optimizer": True}),
     "tp2-sp-recompute-dp2-fsdp": (

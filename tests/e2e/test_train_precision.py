@@ -362,7 +362,9 @@ def check_final_weights(ckpt: Path, reference: dict, init: dict[str, torch.Tenso
 
 # ----------------------------------------------------------------------------------------------- bf16
 
-BF16_LAYOUTS = {"1proc": (1, [], TIGHT_RTOL), "tp2": (2, ["parallel.tp=2"], LOOSE_RTOL)}
+BF16_LAYOUTS = {"1proc": (1, [], TIGHT_RTOL), "tp2": (2, ["parallel.tp=2"], LOOSE_RTOL),
+                # FSDP: fp32 shards gathered in bf16 for compute, gradients reduced in fp32; bf16 model tensors saved
+                "dp2-fsdp": (2, ["parallel.fsdp=true"], LOOSE_RTOL)}
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,9 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
     out: dict[str, ShardedTensor] = {}
     for chunk in chunks:
         module = unwrap(chunk)
+        # FSDP's shards are the fp32 main parameters; the model tensors are saved in the dtype the model computes
+        # in, as without FSDP (the fp32 values travel as the optimizer's main_param).
+        policy = getattr(chunk, "precision", None) if getattr(chunk, "fully_sharded", False) else None
         for name, param in module.named_parameters():
             key = name
             if is_tied_copy(module, name):
@@ -107,6 +110,8 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
                 local, flat_range = _fsdp_shard(param)
                 if local.numel() == 0:
                     continue  # a parameter with fewer rows than the shard group: this rank holds none
+                if not for_load and policy is not None and local.dtype != policy.param_dtype:
+                    local = local.to(policy.param_dtype)
             out[f"model/{key}" + ("#tied" if key != name else "")] = ShardedTensor(
                 local, gshape, goffset, local_shape=tuple(param.shape), flat_range=flat_range, replica_rank=r,
                 num_replicas=n)
