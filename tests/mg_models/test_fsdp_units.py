@@ -1,8 +1,6 @@
 """FSDP over mg's models: every transformer layer is its own FSDP unit (GPT and BERT keep their layers in an
 ``nn.ModuleDict``, T5 in ``nn.ModuleList`` s), so a step gathers one layer at a time, not the whole model."""
 
-import torch
-
 from mg_parallel.testing import run_distributed
 
 
