@@ -20,6 +20,7 @@ from tests.e2e.conftest import (
 
 ITERS, SAVED = 10, 5
 DISTOPT = {"dp": 2, "micro_batches": 2, "distributed_optimizer": True}
+FSDP = {"dp": 2, "micro_batches": 2, "fsdp": True, "fsdp_shard_size": 2, "offload_optimizer": False}
 LAYOUTS = {
     # family: {name: (processes, --set overrides, the effective settings the run must report besides BASE_SETTINGS)}
     "bert": {
@@ -27,10 +28,12 @@ LAYOUTS = {
         "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], DISTOPT),
         "pp2": (2, ["parallel.pp=2"], {"pp": 2, "schedule": "1f1b"}),
         "recompute": (1, ["parallel.recompute=full"], {"recompute": "full"}),
+        "dp2-fsdp": (2, ["parallel.fsdp=true"], FSDP),
     },
     "t5": {
         "tp2": (2, ["parallel.tp=2"], {"tp": 2}),
         "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], DISTOPT),
+        "dp2-fsdp": (2, ["parallel.fsdp=true"], FSDP),  # the embedding shared by encoder, decoder and head
     },
 }
 
