@@ -69,21 +69,21 @@ class MoEStep:
         import torch.distributed as dist
 
         n = self.num_experts
-        # Per layer: counts [n], dropped, choices; then (sum, count) of each loss.
-        stats = torch.zeros(self.num_layers, n + 2 + 2 * len(_LOSSES), dtype=torch.float64)
+        # Per layer: counts [n], dropped, choices; then (sum, count) of each loss. Summed on the device, so the
+        # records cost no host synchronisation until the one copy back after the all-reduce.
+        stats = torch.zeros(self.num_layers, n + 2 + 2 * len(_LOSSES), dtype=torch.float64, device=self.grid.device)
         for number, losses, counts, dropped in self._records:
             row = stats[number]
-            row[:n] += counts.double().cpu()
-            row[n] += float(dropped)
-            row[n + 1] += float(counts.sum())
+            row[:n] += counts
+            row[n] += dropped
+            row[n + 1] += counts.sum()
             for i, key in enumerate(_LOSSES):
                 if key in losses:
-                    row[n + 2 + 2 * i] += float(losses[key])
+                    row[n + 2 + 2 * i] += losses[key]
                     row[n + 3 + 2 * i] += 1
         if self.grid.world_size > 1:
-            stats = stats.to(self.grid.device)
             dist.all_reduce(stats)
-            stats = stats.cpu()
+        stats = stats.cpu()
         out: dict[str, float] = {}
         for i, key in enumerate(_LOSSES):
             total, count = stats[:, n + 2 + 2 * i].sum(), stats[:, n + 3 + 2 * i].sum()
