@@ -103,11 +103,10 @@ def _worker_pid(launcher: int, local_rank: str) -> int:
     """The training worker with ``LOCAL_RANK=local_rank`` among the launcher's descendants."""
     for pid in _descendants(launcher):
         try:
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            name = open(f"/proc/{pid}/comm").read().strip()
         except OSError:
             continue
-        if f"LOCAL_RANK={local_rank}".encode() in env and b"mg_cli.main" in cmdline:
+        if name == f"mg-rank{local_rank}":  # one node: the global rank is the local one
             return pid
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under process {launcher}")
 

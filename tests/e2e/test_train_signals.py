@@ -71,12 +71,12 @@ class Job:
         for pid in processes_with_marker(self.marker):
             try:
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                name = open(f"/proc/{pid}/comm").read().strip()  # the workers are forks of the launcher, named by rank
             except OSError:
                 continue
-            if target == "launcher" and b"mg_cli.launch" in cmdline:
+            if target == "launcher" and b"mg_cli.launch" in cmdline and not name.startswith("mg-rank"):
                 return pid
-            if target == "worker" and b"LOCAL_RANK=1" in env and b"mg_cli.main" in cmdline:
+            if target == "worker" and name == "mg-rank1":
                 return pid
         raise AssertionError(f"no {target} process found for the job")
 

@@ -2,7 +2,9 @@
 
 ``mg train --nproc-per-node N`` (the *wrapper*) starts PyTorch's launcher,
 ``torch.distributed.run``, through this module's :func:`main` (``python -m mg_cli.launch``),
-which starts the N workers. A process that is already a worker (started by ``torchrun``, by
+which forks the N workers (torch, imported by the launcher, is not imported again per worker; each
+names itself ``mg-rank<R>``). The launcher starts while the wrapper still checks the config and waits
+for its ``go`` (:data:`GATE_FD`). A process that is already a worker (started by ``torchrun``, by
 ``mg`` itself, or by Slurm's ``srun``) just runs. We never implement our own launcher or
 rendezvous; this module only makes signals and deaths travel through the three levels:
 
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,8 @@ STATUS_DIR = "MG_RUN_STATUS_DIR"
 """Directory where each worker records that it ended cleanly (``local<LOCAL_RANK>.json``)."""
 PARENT_PID = "MG_PARENT_PID"
 """Pid the launcher (set by the wrapper) or a worker (set by the launcher) must die with."""
+GATE_FD = "MG_LAUNCH_GATE_FD"
+"""File descriptor on which the launcher reads ``go`` from the wrapper before it starts workers."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1
 
@@ -97,10 +102,13 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 
 
 def relaunch(
-    argv: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None
+    argv: list[str], *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None,
+    preflight: Callable[[], None] | None = None,
 ) -> int:
     """Run ``mg <argv>`` on ``nproc_per_node`` local processes (x ``nnodes``) via torch.distributed.run.
 
+    ``preflight`` (checks that raise before any worker starts) runs here while the launcher imports torch; the
+    launcher waits for its outcome and starts no worker when it raises (the exception propagates).
     Forwards SIGTERM, SIGINT and SIGUSR1 to the launcher while it runs.
 
     Returns:
@@ -125,7 +133,20 @@ def relaunch(
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
         env[STATUS_DIR] = status_dir
         env[PARENT_PID] = str(os.getpid())
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        gate_read, gate = os.pipe()
+        env[GATE_FD] = str(gate_read)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(gate_read,))
+        os.close(gate_read)
+        try:
+            if preflight is not None:
+                preflight()
+            os.write(gate, b"go")
+        except BaseException:
+            os.close(gate)
+            proc.kill()  # it has started no worker yet: it waits on the gate
+            proc.wait()
+            raise
+        os.close(gate)
 
         def forward(signum: int, frame: Any) -> None:
             if proc.poll() is None:
@@ -178,6 +199,53 @@ def _forward_to_children(signum: int, frame: Any) -> None:
                 pass
 
 
+def _forked_worker(*cmd_args: str) -> int:
+    """A worker forked from the launcher: ``mg <argv>`` where ``cmd_args`` is the launcher's command after the
+    interpreter (``-u -m mg_cli.main <argv>``). Returns 0 when it ends with exit status 0; exits with any other."""
+    import threading
+
+    argv = list(cmd_args[cmd_args.index("mg_cli.main") + 1 :])
+    try:  # `ps` and `top` tell the ranks apart (the forks share the launcher's command line)
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(f"mg-rank{os.environ.get('RANK', '')}")
+    except OSError:
+        pass
+    for sig in (*FORWARDED, signal.SIGHUP, signal.SIGQUIT):  # the launcher's handlers are not a worker's
+        signal.signal(sig, signal.SIG_DFL)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # as the interpreter's -u: lines reach the terminal as they come
+    sys.argv = ["mg", *argv]
+    from mg_cli.main import cli
+
+    try:
+        cli.main(args=argv, prog_name="mg")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    # The launcher reads the return value and lets the process end; a launcher that is shutting down (after a
+    # signal) never does, so the process ends by itself a moment later.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ender = threading.Timer(1.0, os._exit, (0,))
+    ender.daemon = True
+    ender.start()
+    return 0
+
+
+def _run_forked(parsed: Any) -> None:
+    """``torch.distributed.run.run(parsed)``, with the workers forked from this process instead of started as new
+    interpreters: torch is imported once per node, not once per worker (seconds of CPU each). This process never
+    touches an accelerator, so the forks may initialise theirs."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if parsed.standalone:  # what torch.distributed.run does for --standalone
+        parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", uuid.uuid4().hex
+    config, _, cmd_args = config_from_args(parsed)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=_forked_worker)(*cmd_args)
+
+
 def main(args: list[str] | None = None) -> int:
     """``python -m mg_cli.launch TORCHRUN_ARGS``: ``torch.distributed.run`` with mg's signal handling.
 
@@ -193,16 +261,21 @@ def main(args: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
 
     parsed = get_args_parser().parse_args(args)
+    if GATE_FD in os.environ:  # the wrapper's checks ran while torch was imported above
+        gate = int(os.environ.pop(GATE_FD))
+        go = os.read(gate, 2) == b"go"
+        os.close(gate)
+        if not go:
+            return 0
     # The launcher's own progress messages ("Sending process ... closing signal") are noise here:
     # every worker says what it did.
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
             logger.setLevel(logging.ERROR)
     try:
-        elastic_run(parsed)
+        _run_forked(parsed)
     except SignalException as e:
         nproc = int(str(parsed.nproc_per_node))
         clean, failed = _clean_stops(nproc)

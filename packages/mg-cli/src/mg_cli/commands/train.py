@@ -38,36 +38,43 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
     """
     from mg_cli.config import ConfigError, describe, load_config
     from mg_cli.launch import die_with_parent, launch_id, under_launcher
-    from mg_cli.training.signals import SignalFlag
 
-    # A worker takes the signals over before the heavy imports, and dies with its launcher.
-    stop = SignalFlag().install() if under_launcher() else None
+    stop = None
+    if under_launcher():  # a worker takes the signals over before the heavy imports, and dies with its launcher
+        from mg_cli.training.signals import SignalFlag
+
+        stop = SignalFlag().install()
     die_with_parent()
     if list_keys:
         click.echo(describe())
         return
-    try:
-        config = load_config(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    if print_config:
-        click.echo(config.to_yaml(), nl=False)
-        return
-    if os.environ.get("RANK", "0") == "0" and not (under_launcher() and launch_id()):  # once per job
-        for note in config.notes:
-            click.echo(f"mg train: {note}", err=True)
-    if resume and not (config.checkpoint.load or config.checkpoint.save):
-        raise click.ClickException("--resume needs checkpoint.save (or checkpoint.load) in the config")
 
     from mg_cli import launch
 
-    if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher():
-        from mg_cli.training import TrainingError, preflight_for
-
-        try:  # fail once, in one line, before starting any worker
-            preflight_for(config, nproc_per_node * nnodes)
-        except (TrainingError, ConfigError) as e:
+    def checked_config():  # noqa: ANN202 - a RunConfig
+        try:
+            config = load_config(config_path, overrides)
+        except ConfigError as e:
             raise click.ClickException(str(e)) from None
+        if print_config:
+            return config
+        if os.environ.get("RANK", "0") == "0" and not (under_launcher() and launch_id()):  # once per job
+            for note in config.notes:
+                click.echo(f"mg train: {note}", err=True)
+        if resume and not (config.checkpoint.load or config.checkpoint.save):
+            raise click.ClickException("--resume needs checkpoint.save (or checkpoint.load) in the config")
+        return config
+
+    if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher() and not print_config:
+        def preflight() -> None:  # fail once, in one line, before starting any worker
+            from mg_cli.training import TrainingError, preflight_for
+
+            config = checked_config()
+            try:
+                preflight_for(config, nproc_per_node * nnodes)
+            except (TrainingError, ConfigError) as e:
+                raise click.ClickException(str(e)) from None
+
         argv = ["train"]
         if config_path is not None:
             argv += ["--config", str(config_path)]
@@ -75,14 +82,21 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
             argv += ["--set", o]
         if resume:
             argv.append("--resume")
+        # The launcher starts (and imports torch) while the config is read and checked here.
         code = launch.relaunch(argv, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                               master_addr=master_addr, master_port=master_port)
+                               master_addr=master_addr, master_port=master_port, preflight=preflight)
         sys.exit(code)
+    config = checked_config()
+    if print_config:
+        click.echo(config.to_yaml(), nl=False)
+        return
     launch.adopt_slurm_env()
 
     from mg_cli.training import TrainingError, run_training
 
     if stop is None:
+        from mg_cli.training.signals import SignalFlag
+
         stop = SignalFlag()
         stop.install()
     stop.usr1_continues = config.checkpoint.on_signal == "save_and_continue"
