@@ -124,3 +124,47 @@ def test_cp2_rejects_what_it_cannot_do():
     assert "model.attention_dropout" in messages[0] and "parallel.cp=2" in messages[0]
     assert "parallel.cp_comm=a2a" in messages[1] and "model.num_attention_heads" in messages[1]
     assert "attention_mask" in messages[2] and "parallel.cp" in messages[2]
+
+
+
+LONG = 131072
+LONG_CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=97,
+                   max_position_embeddings=LONG, position_embedding="rope", rotary_base=500000.0,
+                   rotary_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192},
+                   normalization="rmsnorm", activation="swiglu", add_bias_linear=False, sliding_window=8)
+# Spans of positions checked: across the boundary of chunks 6 (cp rank 1) and 7 (rank 0) of 8, and the end.
+SPANS = ((7 * LONG // 8 - 32, 7 * LONG // 8 + 32), (LONG - 64, LONG))
+
+
+def _long_ids() -> torch.Tensor:
+    return torch.randint(0, 97, (1, LONG), generator=torch.Generator().manual_seed(11))
+
+
+def long_context_worker() -> list[torch.Tensor]:
+    """At cp=4: one forward over all 131072 positions; the logits of each span of SPANS."""
+    from mg_parallel.context_parallel import gather_from_cp, split_for_cp
+
+    torch.set_num_threads(1)
+    grid = build_grid(ParallelDims(cp=4))
+    model = GPTModel(GPTConfig(**LONG_CONFIG), grid, seed=SEED)
+    with torch.no_grad():
+        logits = model(split_for_cp(_long_ids(), grid.cp_rank, 4).to(grid.device), gather_logits=True)
+    logits = gather_from_cp(logits, grid.cp_group, 1).cpu()
+    return [logits[:, a:b].clone() for a, b in SPANS]
+
+
+def test_forward_over_131072_positions_at_cp4():
+    """With a sliding window of w over L layers a token depends on the L*(w-1) tokens before it and on no others, so
+    one process running only those tokens, at their global positions, gives the logits of a span exactly, however
+    the rest of the 131072 positions are computed."""
+    got = run_distributed(long_context_worker, 4, timeout=300)
+    c = LONG_CONFIG
+    model = GPTModel(GPTConfig(**c), ProcessGrid.single(torch.device("cpu")), seed=SEED)
+    reach = c["num_layers"] * (c["sliding_window"] - 1)
+    for i, (a, b) in enumerate(SPANS):
+        positions = torch.arange(a - reach, b).unsqueeze(0)
+        with torch.no_grad():
+            ref = model(_long_ids()[:, a - reach:b], position_ids=positions, gather_logits=True)[:, reach:]
+        for rank, spans in enumerate(got):
+            torch.testing.assert_close(spans[i], ref, rtol=1e-5, atol=1e-5, msg=f"positions {a}..{b} on rank {rank}")

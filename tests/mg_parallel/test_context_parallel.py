@@ -66,9 +66,9 @@ def _cases():
     yield dict(causal=True, hq=4, hkv=4, window=3, docs=True)
 
 
-def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32, device="cpu"):
+def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32, device="cpu", s=None):
     """Reference on the CPU; the ranks compute on ``device`` (the grid's: CUDA under NCCL)."""
-    s = 8 * cp
+    s = s or 8 * cp
     hq, hkv, causal, window = case["hq"], case["hkv"], case["causal"], case["window"]
     if comm == "a2a" and (hq % cp or hkv % cp):
         with pytest.raises(ValueError, match=rf"parallel.cp={cp}.*{hq} heads and {hkv} kv heads"):
@@ -113,6 +113,17 @@ def _check_all(cp: int) -> int:
             checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device)
     for case in list(_cases())[1:4]:  # the plain-torch kernel (CUDA's today): GQA, window, documents
         checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference", device=grid.device)
+    from mg_parallel.context_parallel import plan
+
+    plan.MIN_TILE = 2  # windows cut 16-token chunk pairs into tiles along their band
+    try:
+        assert len(plan.step_blocks(rank, rank, cp, 32, True, 1)) > 2, "the chunks must be cut into tiles"
+        for comm in ("p2p", "allgather"):
+            for case in _cases():
+                if case["window"] is not None:
+                    checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device, s=32 * cp)
+    finally:
+        plan.MIN_TILE = 128
     for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
         checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
                                dtype=torch.bfloat16, device=grid.device)
@@ -126,7 +137,8 @@ def test_context_parallel_attention_matches_full_sequence(cp):
 
     counts = run_distributed(_check_all, WORLD, cp)
     a2a = sum(1 for c in _cases() if c["hq"] % cp == 0 and c["hkv"] % cp == 0)  # others check the error
-    expected = 2 * len(list(_cases())) + a2a + 3 + 3
+    windows = sum(1 for c in _cases() if c["window"] is not None)
+    expected = 2 * len(list(_cases())) + a2a + 3 + 2 * windows + 3
     assert counts == [expected] * WORLD
 
 
@@ -239,6 +251,52 @@ def _fail_mid_ring() -> None:
         dist.barrier(group=grid.cp_group)
     finally:
         blocks.block_forward = real
+
+
+LONG, LONG_HEADS = 16384, 4
+
+
+def _saved_attention_bytes(q, k, v, group, comm):
+    """Bytes of the distinct storages autograd keeps for backward during one attention forward."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(q, k, v, group=group, comm=comm, causal=True)
+    assert out.requires_grad
+    return sum(storages.values())
+
+
+def _long_inputs(cp, rank, device):
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(3, 1, LONG_HEADS, LONG, D, generator=gen)
+    return [split_for_cp(t, rank, cp, seq_dim=2).to(device).requires_grad_(True) for t in whole]
+
+
+def _saved_bytes_per_rank():
+    """Forward only (the hooks see what backward would need) at cp 4 and at cp 2 (two groups side by side)."""
+    found = {}
+    for cp in (4, 2):
+        grid = build_grid(ParallelDims(cp=cp))
+        for comm in ("p2p", "allgather", "a2a"):
+            found[(cp, comm)] = _saved_attention_bytes(*_long_inputs(cp, grid.cp_rank, grid.device), grid.cp_group, comm)
+    return found
+
+
+def test_saved_attention_activations_shrink_with_cp():
+    """At 16k tokens each rank keeps 1/cp (within 10%) of the bytes one process keeps for attention's backward."""
+    from mg_parallel.testing import run_distributed
+
+    one = _saved_attention_bytes(*_long_inputs(1, 0, "cpu"), None, "p2p")
+    q_bytes = LONG * LONG_HEADS * D * 4
+    assert one < 6 * q_bytes, f"one process keeps {one} bytes: more than q, k, v, out and statistics at {LONG} tokens"
+    for rank, found in enumerate(run_distributed(_saved_bytes_per_rank, WORLD)):
+        for (cp, comm), n in found.items():
+            assert abs(n * cp / one - 1) <= 0.1, f"rank {rank} cp={cp} {comm}: {n} bytes, 1/{cp} of {one} is {one / cp:.0f}"
 
 
 def test_rank_failing_mid_ring_fails_the_job():

@@ -1,10 +1,12 @@
 """All-gather attention ("allgather"): every rank gathers the whole K/V once, then attends its
 queries to each rank's part with the same blocks and masks as ring attention
-(:mod:`~mg_parallel.context_parallel.plan`), so causal work stays balanced. Backward sums the fp32
-dK/dV of the whole sequence over the group and keeps this rank's part (one reduce-scatter).
+(:mod:`~mg_parallel.context_parallel.plan`), so causal work stays balanced. Only this rank's K/V
+are saved for backward (what stays alive is 1/cp of one process's, as for the ring); backward
+gathers them again, and sums the fp32 dK/dV of the whole sequence over the group to keep this
+rank's part (one reduce-scatter).
 
-One collective each way instead of ``cp - 1`` exchanges, at the price of holding K/V of the whole
-sequence (saved for backward) on every rank.
+One collective each way (two in backward) instead of ``cp - 1`` exchanges, at the price of holding
+the K/V of the whole sequence on every rank while the layer's attention runs.
 """
 
 from __future__ import annotations
@@ -38,14 +40,15 @@ class AllGatherAttention(torch.autograd.Function):
             attend_blocks(q, _part(kv[0], src, local_len), _part(kv[1], src, local_len), plan[i], out, lse,
                           scale=scale, impl=impl)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plan, ctx.scale, ctx.impl = group, plan, scale, impl
         return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
-        q, kv, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         cp, rank, local_len = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), q.shape[2]
+        kv = gather_seq(torch.stack([k, v]), ctx.group, 3)
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mg_parallel.context_parallel.allgather import AllGatherAttention
 from mg_parallel.context_parallel.blocks import default_scale
-from mg_parallel.context_parallel.chunking import cp_position_ids
+from mg_parallel.context_parallel.chunking import split_for_cp, unsplit_from_cp
 from mg_parallel.context_parallel.comm import gather_seq, heads_to_seq, seq_to_heads
 from mg_parallel.context_parallel.masks import attention_mask
 from mg_parallel.context_parallel.plan import build_plan
@@ -65,25 +65,19 @@ def _natural_attention(q, k, v, causal, window, docs, scale):  # noqa: ANN001, A
                   False, scale)
 
 
-def _natural_order(cp: int, local_len: int, device: torch.device) -> torch.Tensor:
-    # Index that sorts a rank-order gathered sequence into natural order.
-    return torch.cat([cp_position_ids(local_len, r, cp, device) for r in range(cp)]).argsort()
-
-
 def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001, ANN202
-    cp, local_len = dist.get_world_size(group), q.shape[2]
+    cp = dist.get_world_size(group)
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(
             f"parallel.cp_comm='a2a' splits the heads over parallel.cp={cp}, but the attention has {q.shape[1]} "
             f"heads and {k.shape[1]} kv heads; both must be divisible by parallel.cp (or use cp_comm p2p/allgather)"
         )
-    # The gathered sequence is in rank order; sort it into natural order so SDPA can use is_causal.
-    order = _natural_order(cp, local_len, q.device)
-    back = order.argsort()
-    qh, kh, vh = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
-    all_docs = None if docs is None else gather_seq(docs, group, 1).index_select(1, order)
+    # The gathered sequence is in rank order; put its chunks in natural order so SDPA can use is_causal (chunk
+    # moves, not an index: autograd keeps no index of the whole sequence for backward).
+    qh, kh, vh = (unsplit_from_cp(seq_to_heads(t, group).chunk(cp, dim=2), seq_dim=2) for t in (q, k, v))
+    all_docs = None if docs is None else unsplit_from_cp(gather_seq(docs, group, 1).chunk(cp, dim=1), seq_dim=1)
     out = _natural_attention(qh, kh, vh, causal, window, all_docs, scale)
-    return heads_to_seq(out.index_select(2, back).contiguous(), group)
+    return heads_to_seq(torch.cat([split_for_cp(out, r, cp, seq_dim=2) for r in range(cp)], dim=2), group)
 
 
 def context_parallel_attention(

@@ -9,7 +9,8 @@ holds ``src = (r - i) mod cp``. With the load-balanced layout (rank ``r`` holds 
 * ``src > r``: the last ``c`` queries (chunk ``2cp-1-r``) against all ``2c`` keys, unmasked;
 
 so every step costs ``2c^2`` scores on every rank (the diagonal step half-masked). A sliding window
-cuts blocks into chunk pairs, skips pairs the window leaves empty and masks the pairs it cuts;
+cuts blocks into chunk pairs (and a pair much longer than the window into tiles along its band), skips
+pairs the window leaves empty and masks the pairs it cuts;
 document ids mask every block. Which pairs are full, empty or cut follows from the chunks'
 positions alone (no tensor is looked at); a block's boolean mask is built on the device only when
 its kernel runs (and again in backward), so no ``s x s/cp`` mask is kept.
@@ -57,13 +58,42 @@ def step_blocks(rank: int, src: int, cp: int, local_len: int, causal: bool, wind
             return [(every, every, "causal")]
         return [(every, first, "full")] if src < rank else [(second, every, "full")]
     q_starts, k_starts = (rank * c, (2 * cp - 1 - rank) * c), (src * c, (2 * cp - 1 - src) * c)  # of the chunks
+    t = _tile(c, window)
     blocks = []
     for qs, q_start in zip((first, second), q_starts):
         for ks, k_start in zip((first, second), k_starts):
-            kind = _classify(q_start, k_start, c, causal, window)
-            if kind is not None:
-                blocks.append((qs, ks, kind))
+            for qo, ko, kind in _band(q_start, k_start, c, t, causal, window):
+                blocks.append((slice(qs.start + qo, qs.start + qo + t), slice(ks.start + ko, ks.start + ko + t), kind))
     return blocks
+
+
+MIN_TILE = 128
+"""Smallest tile a sliding window cuts a chunk pair into (see :func:`_tile`)."""
+
+
+def _tile(c: int, window: int) -> int:
+    # A chunk pair much longer than the window is cut into square tiles, the smallest divisor of c that is at least
+    # max(window, MIN_TILE), so only tiles along the window's band are computed (a whole chunk pair otherwise).
+    for t in range(max(window, MIN_TILE), c // 2 + 1):
+        if c % t == 0:
+            return t
+    return c
+
+
+def _band(q_start: int, k_start: int, c: int, t: int, causal: bool, window: int) -> list[tuple[int, int, str]]:
+    # The non-empty (query offset, key offset, kind) tiles of side t of the chunk pair at global q_start, k_start:
+    # a key tile at b meets a query tile at a only if b lies within the window's reach of a (i - j in [0, w) causal,
+    # (-w, w) otherwise).
+    tiles = []
+    for qo in range(0, c, t):
+        a = q_start + qo
+        lo = a - (t - 1) - (window - 1) - k_start
+        hi = a + (t - 1) + (0 if causal else window - 1) - k_start
+        for ko in range(max(0, -(-lo // t)) * t, min(c - t, hi) + 1, t):
+            kind = _classify(a, k_start + ko, t, causal, window)
+            if kind is not None:
+                tiles.append((qo, ko, kind))
+    return tiles
 
 
 def build_plan(rank: int, cp: int, local_len: int, causal: bool, window: int | None, q_doc: torch.Tensor | None,
