@@ -71,6 +71,22 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[
     return step
 
 
+def _matmul_floor(counts: list[int], h: int, f: int) -> Callable[[], None]:
+    """The matmuls of a SwiGLU MoE layer's forward+backward and nothing else, on contiguous tensors with the routed
+    row counts of each expert: ``x @ w1``, ``a @ w2`` forward, then both projections' input and weight gradients.
+    Any implementation that computes these products takes at least this long."""
+    mats = []
+    for m in counts:
+        x, a, g2, g1 = torch.randn(m, h), torch.randn(m, f), torch.randn(m, h), torch.randn(m, 2 * f)
+        mats.append((x, torch.randn(h, 2 * f), a, torch.randn(f, h), g2, g1))
+
+    def step() -> None:
+        for x, w1, a, w2, g2, g1 in mats:
+            x @ w1, a @ w2, g2 @ w2.t(), a.t() @ g2, g1 @ w1.t(), x.t() @ g1
+
+    return step
+
+
 def _count_bytes(ep: int, tokens: int, h: int, f: int, n: int, k: int) -> dict[str, float]:
     """On one of ``ep`` ranks: bytes this rank sends to other ranks in forward and backward, and the share of
     its (token, expert) choices whose expert lives elsewhere."""
@@ -217,6 +233,14 @@ def main() -> None:
           f"{n} experts, top-{k}, SwiGLU, median of {args.reps} alternated repetitions")
     for name, layer in layers.items():
         _compare(f"mg MoELayer ({name})", _step(layer, x, g), _step(ref, x, g), "HF MixtralSparseMoeBlock", args.reps)
+    with torch.no_grad():
+        choices = torch.softmax(x.reshape(-1, h) @ hf.gate.weight.t(), -1).topk(k, -1).indices
+    counts = torch.bincount(choices.flatten(), minlength=n).tolist()
+    floor = _matmul_floor(counts, h, f)
+    bound = _compare("the matmuls alone (a floor)", floor, _step(ref, x, g), "HF MixtralSparseMoeBlock", args.reps)
+    print(f"  => no implementation of these products can be more than {bound:.2f}x Hugging Face here")
+    for name, layer in layers.items():
+        _compare("the matmuls alone (a floor)", floor, _step(layer, x, g), f"mg MoELayer ({name})", args.reps)
     if "grouped_mm" in layers:
         _compare("mg MoELayer (grouped_mm)", _step(layers["grouped_mm"], x, g), _step(layers["loop"], x, g),
                  "mg MoELayer (loop)", args.reps)

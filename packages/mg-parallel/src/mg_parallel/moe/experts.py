@@ -52,6 +52,27 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(h[:, :f]) * h[:, f:]`` for ``h [M, 2f]``; backward writes both halves' gradients into one
+    ``[M, 2f]`` tensor (no concatenation of two halves; saves ``h`` only)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, -1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, -1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, -1)
+        torch.mul(F.silu(gate), grad, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_h
+
+
 class _LoopedMM(torch.autograd.Function):
     """``x_e @ w[e]`` for each expert's row block, written into one output (no cat); backward writes each
     expert's weight gradient straight into one ``[E, in, out]`` tensor (no stack, zeros for idle experts)."""
@@ -219,8 +240,7 @@ class GroupedExperts(nn.Module):
         w1 = self.w1.flatten(2)  # [E, h, 2f] for SwiGLU: gate columns then up columns
         h = self._mm(x, w1, tokens_per_expert, splits)
         if self.activation == "swiglu":
-            gate, up = h.unflatten(-1, (2, -1)).unbind(-2)
-            h = F.silu(gate) * up
+            h = _SwiGLU.apply(h)
         else:
             h = F.gelu(h)
         y = self._mm(h, self.w2, tokens_per_expert, splits)
