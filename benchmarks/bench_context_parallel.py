@@ -98,8 +98,8 @@ def analytic_bytes(comm: str, cp: int, seq: int, heads: int, kv_heads: int, head
     kv = kv_heads * (seq // cp) * head_dim * elem  # this rank's K (or V)
     if comm == "p2p":  # K,V: cp-1 hops forward, cp-1 backward; fp32 dK,dV: cp hops
         return 4 * (cp - 1) * kv + 2 * cp * kv_heads * (seq // cp) * head_dim * 4
-    if comm == "allgather":  # K,V gathered forward, fp32 dK,dV reduce-scattered backward
-        return 2 * (cp - 1) * (kv + kv_heads * (seq // cp) * head_dim * 4)
+    if comm == "allgather":  # K,V gathered forward and again backward, fp32 dK,dV reduce-scattered backward
+        return 4 * (cp - 1) * kv + 2 * (cp - 1) * kv_heads * (seq // cp) * head_dim * 4
     # a2a: q, k, v, out forward and dout, dq, dk, dv backward, each keeping 1/cp at home
     return 2 * (cp - 1) * (2 * q + 2 * kv) // cp
 
