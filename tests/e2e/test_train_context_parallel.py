@@ -4,8 +4,8 @@ Each cp rank of a run reads the same samples as its cp peers and keeps its load-
 the loss is the masked mean over whole sequences and gradients are averaged over dp x cp, so the loss and the
 gradient norm at every iteration and every parameter after the last one must match the one-process run (the
 ``layout_runs`` reference and fixture of test_train_layouts) within 1e-5, for every cp_comm, with tensor and
-sequence parallelism, and with data parallelism and the distributed optimizer. A checkpoint saved at cp2 resumes
-at cp1 and continues the one-process run.
+sequence parallelism, with data parallelism and the distributed optimizer, with pipeline stages and full
+recompute, and at cp4. A checkpoint saved at cp2 resumes at cp1 and continues the one-process run.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ LAYOUTS = {
                    {"tp": 2, "sequence_parallel": True, "cp": 2, "cp_comm": "p2p"}),
     "cp2-dp2-distopt": (4, (*CP2, "parallel.distributed_optimizer=true"),
                         {"dp": 2, "micro_batches": 2, "distributed_optimizer": True, "cp": 2, "cp_comm": "p2p"}),
+    "cp2-pp2-recompute": (4, (*CP2, "parallel.pp=2", "parallel.recompute=full"),
+                          {"pp": 2, "schedule": "1f1b", "recompute": "full", "cp": 2, "cp_comm": "p2p"}),
+    "cp4": (4, ("parallel.cp=4",), {"cp": 4, "cp_comm": "p2p"}),
 }
 
 
