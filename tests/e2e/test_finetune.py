@@ -96,6 +96,7 @@ LAYOUTS = {  # name: (processes, --set values, effective settings besides BASE_S
     "tp2-dp2-do": (4, ("parallel.tp=2", "parallel.use_distributed_optimizer=true"),
                    {"tp": 2, "dp": 2, "distributed_optimizer": True, "micro_batches": 2}),
     "pp2": (2, ("parallel.pp=2",), {"pp": 2, "schedule": "1f1b"}),
+    "cp2": (2, ("parallel.cp=2",), {"cp": 2, "cp_comm": "p2p"}),
 }
 
 
@@ -123,8 +124,8 @@ def _assert_layouts_and_resume(corpus, root: Path, sets: list[str], ref: dict[in
 
 
 def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_path):
-    """SFT of the tp2-pretrained GPT: one process, tp2 with sequence parallelism and pp2 x dp2 with the distributed
-    optimizer agree at every iteration; a resume from iteration 3 continues bit-exactly; a Hugging Face export of
+    """SFT of the tp2-pretrained GPT: one process, tp2 with sequence parallelism, pp2 x dp2 with the distributed
+    optimizer and cp2 (packed conversations split over two ranks) agree at every iteration; a resume from iteration 3 continues bit-exactly; a Hugging Face export of
     the pretrained model gives the same first step as the mg checkpoint."""
     sft = ["data.format=sft", f"data.path={tasks['chats']}", f"checkpoint.init_from={pretrained}",
            "model.seq_length=64", "checkpoint.interval=3"]
@@ -133,7 +134,7 @@ def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_
            "dropped (unused by this model): none" in out, out[-3000:]
     ref = iteration_records(ref_log)
     assert ref[6]["loss"] < ref[1]["loss"]
-    _assert_layouts_and_resume(corpus, tmp_path, sft, ref, ("tp2-sp", "pp2-dp2-do"), "sft")
+    _assert_layouts_and_resume(corpus, tmp_path, sft, ref, ("tp2-sp", "pp2-dp2-do", "cp2"), "sft")
 
     hf = tmp_path / "pretrained-hf"
     mg("convert", "--to", "hf", "--input", str(pretrained), "--output", str(hf))
@@ -178,8 +179,8 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
 
 
 def test_bert_classification_layout_and_export(bert_t5_corpus, tmp_path):
-    """BERT with a classification head over [CLS] (from a .jsonl, string labels): tp2 with sequence parallelism
-    agrees with one process; the export is a BertForSequenceClassification whose logits equal mg's."""
+    """BERT with a classification head over [CLS] (from a .jsonl, string labels): tp2 with sequence parallelism,
+    and pp2 x dp2 with the distributed optimizer, agree with one process; the export is a BertForSequenceClassification whose logits equal mg's."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -192,11 +193,13 @@ def test_bert_classification_layout_and_export(bert_t5_corpus, tmp_path):
     ref_log = tmp_path / "ref"
     mg(*family_args(bert_t5_corpus, "bert", ref_log, *base, iters=6))
     ref = iteration_records(ref_log)
-    nproc, sets, settings = LAYOUTS["tp2-sp"]
-    log = tmp_path / "tp2-sp"
-    out = mg(*family_args(bert_t5_corpus, "bert", log, *base[:-1], *sets, iters=6), "--nproc-per-node", "2").stdout
-    assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
-    assert_same_training(iteration_records(log), ref, "bert classification tp2-sp")
+    for layout in ("tp2-sp", "pp2-dp2-do"):
+        nproc, sets, settings = LAYOUTS[layout]
+        log = tmp_path / layout
+        out = mg(*family_args(bert_t5_corpus, "bert", log, *base[:-1], *sets, iters=6),
+                 "--nproc-per-node", str(nproc)).stdout
+        assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
+        assert_same_training(iteration_records(log), ref, f"bert classification {layout}")
 
     hf_dir = tmp_path / "hf"
     mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))
