@@ -125,8 +125,9 @@ def _assert_layouts_and_resume(corpus, root: Path, sets: list[str], ref: dict[in
 
 def test_sft_from_a_checkpoint_of_another_layout(corpus, tasks, pretrained, tmp_path):
     """SFT of the tp2-pretrained GPT: one process, tp2 with sequence parallelism, pp2 x dp2 with the distributed
-    optimizer and cp2 (packed conversations split over two ranks) agree at every iteration; a resume from iteration 3 continues bit-exactly; a Hugging Face export of
-    the pretrained model gives the same first step as the mg checkpoint."""
+    optimizer and cp2 (packed conversations split over two ranks) agree at every iteration; a resume from
+    iteration 3 continues bit-exactly; a Hugging Face export of the pretrained model gives the same first step as
+    the mg checkpoint."""
     sft = ["data.format=sft", f"data.path={tasks['chats']}", f"checkpoint.init_from={pretrained}",
            "model.seq_length=64", "checkpoint.interval=3"]
     ref_log, out = _finetune(corpus, tmp_path, "ref", 1, *sft)
@@ -180,7 +181,8 @@ def test_gpt_classification_layouts_and_export(corpus, tasks, pretrained, tmp_pa
 
 def test_bert_classification_layout_and_export(bert_t5_corpus, tmp_path):
     """BERT with a classification head over [CLS] (from a .jsonl, string labels): tp2 with sequence parallelism,
-    and pp2 x dp2 with the distributed optimizer, agree with one process; the export is a BertForSequenceClassification whose logits equal mg's."""
+    and pp2 x dp2 with the distributed optimizer, agree with one process; the export is a
+    BertForSequenceClassification whose logits equal mg's."""
     import torch
     from transformers import AutoModelForSequenceClassification
 

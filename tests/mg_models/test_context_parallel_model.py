@@ -126,7 +126,6 @@ def test_cp2_rejects_what_it_cannot_do():
     assert "attention_mask" in messages[2] and "parallel.cp" in messages[2]
 
 
-
 LONG = 131072
 LONG_CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=97,
                    max_position_embeddings=LONG, position_embedding="rope", rotary_base=500000.0,

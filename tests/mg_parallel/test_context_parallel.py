@@ -115,7 +115,7 @@ def _check_all(cp: int) -> int:
         checked += _check_case(group, cp, rank, "p2p", case, gen, impl="reference", device=grid.device)
     from mg_parallel.context_parallel import plan
 
-    plan.MIN_TILE = 2  # windows cut 16-token chunk pairs into tiles along their band
+    default_tile, plan.MIN_TILE = plan.MIN_TILE, 2  # windows cut 16-token chunk pairs into tiles along their band
     try:
         assert len(plan.step_blocks(rank, rank, cp, 32, True, 1)) > 2, "the chunks must be cut into tiles"
         for comm in ("p2p", "allgather"):
@@ -123,7 +123,7 @@ def _check_all(cp: int) -> int:
                 if case["window"] is not None:
                     checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device, s=32 * cp)
     finally:
-        plan.MIN_TILE = 128
+        plan.MIN_TILE = default_tile
     for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
         checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
                                dtype=torch.bfloat16, device=grid.device)

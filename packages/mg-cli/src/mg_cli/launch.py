@@ -142,11 +142,11 @@ def relaunch(
                 preflight()
             os.write(gate, b"go")
         except BaseException:
-            os.close(gate)
             proc.kill()  # it has started no worker yet: it waits on the gate
             proc.wait()
             raise
-        os.close(gate)
+        finally:
+            os.close(gate)
 
         def forward(signum: int, frame: Any) -> None:
             if proc.poll() is None:

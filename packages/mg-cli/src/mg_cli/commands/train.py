@@ -51,13 +51,18 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
 
     from mg_cli import launch
 
-    def checked_config():  # noqa: ANN202 - a RunConfig
+    def read_config():  # noqa: ANN202 - a RunConfig
         try:
-            config = load_config(config_path, overrides)
+            return load_config(config_path, overrides)
         except ConfigError as e:
             raise click.ClickException(str(e)) from None
-        if print_config:
-            return config
+
+    if print_config:
+        click.echo(read_config().to_yaml(), nl=False)
+        return
+
+    def checked_config():  # noqa: ANN202 - a RunConfig
+        config = read_config()
         if os.environ.get("RANK", "0") == "0" and not (under_launcher() and launch_id()):  # once per job
             for note in config.notes:
                 click.echo(f"mg train: {note}", err=True)
@@ -65,7 +70,7 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
             raise click.ClickException("--resume needs checkpoint.save (or checkpoint.load) in the config")
         return config
 
-    if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher() and not print_config:
+    if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher():
         def preflight() -> None:  # fail once, in one line, before starting any worker
             from mg_cli.training import TrainingError, preflight_for
 
@@ -87,9 +92,6 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
                                master_addr=master_addr, master_port=master_port, preflight=preflight)
         sys.exit(code)
     config = checked_config()
-    if print_config:
-        click.echo(config.to_yaml(), nl=False)
-        return
     launch.adopt_slurm_env()
 
     from mg_cli.training import TrainingError, run_training
