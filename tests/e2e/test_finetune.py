@@ -218,8 +218,8 @@ def test_bert_classification_layout_and_export(bert_t5_corpus, tmp_path):
 
 
 def test_t5_seq2seq_from_jsonl(bert_t5_corpus, tmp_path):
-    """T5 on {input, target} pairs read from a .jsonl file: tp2 x dp2 with the distributed optimizer agrees with one
-    process and a resume is bit-exact; the export's T5ForConditionalGeneration loss on a batch equals mg's (1e-6);
+    """T5 on {input, target} pairs read from a .jsonl file: tp2 x dp2 and pp2 x dp2 with the distributed optimizer
+    agree with one process, a resume is bit-exact, and the pp2 x dp2 checkpoint resumes at one process; the export's T5ForConditionalGeneration loss on a batch equals mg's (1e-6);
     a key of another format is a one-line error."""
     import numpy as np
     import torch
@@ -236,14 +236,24 @@ def test_t5_seq2seq_from_jsonl(bert_t5_corpus, tmp_path):
                     "checkpoint.interval=3", iters=6))
     ref = iteration_records(ref_log)
     assert ref[6]["loss"] < ref[1]["loss"]
-    nproc, sets, settings = LAYOUTS["tp2-dp2-do"]
-    log = tmp_path / "tp2-dp2-do"
-    out = mg(*family_args(bert_t5_corpus, "t5", log, *base, *sets, iters=6), "--nproc-per-node", str(nproc)).stdout
-    assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
-    assert_same_training(iteration_records(log), ref, "seq2seq tp2-dp2-do")
+    for name in ("tp2-dp2-do", "pp2-dp2-do"):
+        nproc, sets, settings = LAYOUTS[name]
+        log = tmp_path / name
+        out = mg(*family_args(bert_t5_corpus, "t5", log, *base, *sets, f"checkpoint.save={tmp_path / name}-ckpt",
+                              "checkpoint.interval=3", iters=6), "--nproc-per-node", str(nproc)).stdout
+        assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **settings})
+        assert_same_training(iteration_records(log), ref, f"seq2seq {name}")
     resumed = tmp_path / "resumed"
     _assert_resumes_exactly(family_args(bert_t5_corpus, "t5", resumed, *base, "checkpoint.load="
                                         f"{tmp_path / 'ref-ckpt' / 'iter_0000003'}", iters=6), ref, resumed)
+    # The pipeline's checkpoint (each tensor saved once: the tables by the first stage, the tied head not at all)
+    # resumes at one process.
+    from_pp = tmp_path / "from-pp2"
+    mg(*family_args(bert_t5_corpus, "t5", from_pp, *base,
+                    f"checkpoint.load={tmp_path / 'pp2-dp2-do-ckpt' / 'iter_0000003'}", iters=6))
+    again = iteration_records(from_pp)
+    assert sorted(again) == [4, 5, 6]
+    assert_same_training(again, {it: ref[it] for it in (4, 5, 6)}, "seq2seq resumed at pp1 from pp2-dp2-do")
 
     hf_dir = tmp_path / "hf"
     mg("convert", "--to", "hf", "--input", str(tmp_path / "ref-ckpt"), "--output", str(hf_dir))

@@ -34,6 +34,9 @@ LAYOUTS = {
         "tp2": (2, ["parallel.tp=2"], {"tp": 2}),
         "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], DISTOPT),
         "dp2-fsdp": (2, ["parallel.fsdp=true"], FSDP),  # the embedding shared by encoder, decoder and head
+        # the encoder on one stage, the decoder on the other: the encoder output travels with the decoder's
+        # activations, the position bias tables sit on both, the tied head holds a copy of the embedding
+        "pp2": (2, ["parallel.pp=2"], {"pp": 2, "schedule": "1f1b"}),
     },
 }
 
@@ -123,10 +126,15 @@ def _cli(args: list[str]) -> str:
     return lines[-1]
 
 
-def test_t5_with_pipeline_parallelism_is_a_one_line_error(bert_t5_corpus, tmp_path):
-    error = _cli(family_args(bert_t5_corpus, "t5", tmp_path, "parallel.pp=2") + ["--nproc-per-node", "2"])
-    assert error == ("Error: parallel.pp=2: pipeline parallelism is not supported for model.type=t5; use "
-                     "parallel.pp=1 with tensor (parallel.tp) and data parallelism")
+def test_t5_pipeline_limits_are_one_line_errors(bert_t5_corpus, tmp_path):
+    error = _cli(family_args(bert_t5_corpus, "t5", tmp_path, "parallel.pp=2", "parallel.vpp=2")
+                 + ["--nproc-per-node", "2"])
+    assert error.startswith("Error: parallel.vpp=2: the interleaved pipeline schedule is not supported for "
+                            "model.type=t5"), error
+    error = _cli(family_args(bert_t5_corpus, "t5", tmp_path, "parallel.pp=3") + ["--nproc-per-node", "3"])
+    assert error == ("Error: the 4 encoder and decoder layers (model.num_layers + model.num_decoder_layers) cannot be "
+                     "split evenly over parallel.pp*parallel.vpp = 3*1 = 3 pipeline stages; choose a layer count "
+                     "divisible by it")
 
 
 def test_missing_special_tokens_say_how_to_train_a_tokenizer(bert_t5_corpus, tmp_path):

@@ -182,11 +182,58 @@ class _FakeGrid:
         self.tp_size, self.pp_size, self.tp_group, self.tp_rank, self.device = tp, pp, None, 0, None
 
 
-def test_t5_refuses_pipeline_parallelism_and_bad_tp():
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp>1\) is not supported for T5"):
-        T5Model(T5Config(**T5), _FakeGrid(tp=1, pp=2))
+def test_t5_refuses_bad_tp_and_too_many_stages():
     with pytest.raises(ValueError, match="model.num_attention_heads=4 is not divisible by parallel.tp=3"):
         T5Model(T5Config(**T5), _FakeGrid(tp=3, pp=1))
+    with pytest.raises(ValueError, match=r"the 4 encoder and decoder layers .* cannot fill parallel.pp=5"):
+        T5Model(T5Config(**T5), _FakeGrid(tp=1, pp=5))
+
+
+@pytest.mark.parametrize("layers, cuts, tied", [
+    ((2, 2), [(0, 2), (2, 4)], True),  # encoder | decoder
+    ((3, 1), [(0, 2), (2, 4)], False),  # the second stage ends the encoder and runs the decoder (untied head)
+    ((2, 2), [(0, 1), (1, 2), (2, 3), (3, 4)], True),  # one layer per stage
+])
+def test_t5_pipeline_stages_chain_to_the_whole_model(layers, cuts, tied):
+    """T5 cut into pipeline stages and chained by hand (each stage's output the next one's input tensor) gives the
+    whole model's per-token loss, and the gradients of its parameters summed over the stages that hold them (the
+    position bias tables on every stage, a tied embedding on the first and last), at fp32 round-off."""
+    config = T5Config(**{**T5, "num_layers": layers[0], "num_decoder_layers": layers[1]},
+                      activation="relu" if tied else "gated-gelu", tie_word_embeddings=tied)
+    whole = T5Model(config, seed=SEED)
+    stages = [T5Model(config, _FakeGrid(tp=1, pp=len(cuts)), pre_process=i == 0, post_process=i == len(cuts) - 1,
+                      layer_range=cut, seed=SEED) for i, cut in enumerate(cuts)]
+    d = _t5_batch()
+    expected, _ = whole(d["ids"], d["dec"], d["mask"], labels=d["labels"])
+    (expected * torch.linspace(0.5, 1.5, T)).sum().backward()
+    x = None
+    for stage in stages:
+        stage.set_input_tensor(x)
+        x = stage(d["ids"], d["dec"], d["mask"], labels=d["labels"])
+        if stage is not stages[-1]:
+            assert x.shape == (S + T, B, config.hidden_size)
+    loss, memory = x
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert memory.shape == (S, B, config.hidden_size)
+    (loss * torch.linspace(0.5, 1.5, T)).sum().backward()
+
+    reference = dict(whole.named_parameters())
+    summed: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            source = "word_embeddings.weight" if tied and name == "output_layer.weight" else name
+            torch.testing.assert_close(p.detach(), reference[source].detach(), rtol=0, atol=0)  # same init
+            summed[source] = summed.get(source, 0) + (p.grad if p.grad is not None else torch.zeros_like(p))
+            if "relative_attention_bias" in name:
+                assert getattr(p, "pipeline_replicated", False), name
+            if source == "word_embeddings.weight":
+                assert getattr(p, "shared_embedding", False) == tied, name
+    assert sorted(summed) == sorted(reference)
+    for name, grad in summed.items():
+        torch.testing.assert_close(grad, reference[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    tables = [dict(st.named_parameters())["encoder.relative_attention_bias.weight"] for st in stages]
+    # Only the stages with encoder layers use the encoder's table.
+    assert sum(t.grad is not None for t in tables) == len([c for c in cuts if c[0] < layers[0]])
 
 
 def test_bert_recompute_with_dropout_gives_identical_gradients():

@@ -186,3 +186,39 @@ def test_pipeline_matches_single_process(world, cases):
         per_rank = [results[rank][i] for rank in range(world)]
         _check(case, per_rank)
         _check_schedule(case, per_rank)
+
+
+def _replicated_grads(_: None) -> dict:
+    """Each pp rank holds the same two pipeline-replicated parameters; only some ranks use them."""
+    from mg_parallel.pipeline import allreduce_pipeline_replicated_grads
+
+    grid = _grid(1, 2)
+    chunk = torch.nn.Module()
+    chunk.a = torch.nn.Parameter(torch.zeros(3))
+    chunk.b = torch.nn.Parameter(torch.zeros(2, 2))
+    chunk.c = torch.nn.Parameter(torch.zeros(1))  # not replicated: left alone
+    for p in (chunk.a, chunk.b):
+        p.pipeline_replicated = True
+    chunk.a.grad = torch.full((3,), 1.0 + grid.pp_rank)  # used by both stages
+    if grid.pp_rank == 1:
+        chunk.b.grad = torch.ones(2, 2)  # used by the last stage only
+    chunk.c.grad = torch.full((1,), 5.0 + grid.pp_rank)
+    allreduce_pipeline_replicated_grads([chunk], grid)
+    out = {"a": chunk.a.grad.clone(), "b": chunk.b.grad.clone(), "c": chunk.c.grad.clone()}
+    lonely = torch.nn.Module()  # a stage that holds fewer replicated elements than its peer: an error, not a hang
+    lonely.a = torch.nn.Parameter(torch.zeros(3 if grid.pp_rank == 0 else 4))
+    lonely.a.pipeline_replicated = True
+    try:
+        allreduce_pipeline_replicated_grads([lonely], grid)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_pipeline_replicated_grads_are_summed_over_the_stages():
+    results = run_distributed(_replicated_grads, 2, None, timeout=60)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["a"], torch.full((3,), 3.0))
+        torch.testing.assert_close(r["b"], torch.ones(2, 2))
+        torch.testing.assert_close(r["c"], torch.full((1,), 5.0 + rank))
+        assert "holds 3 pipeline_replicated elements" in r["error"] or "holds 4" in r["error"], r["error"]

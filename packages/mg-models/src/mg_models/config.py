@@ -353,16 +353,16 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     """Check that a tp/pp layout fits ``config`` (a GPTConfig, BertConfig or T5Config): the one place it is checked.
 
     Raises:
-        ValueError: naming the config field that tp or pp does not divide, or pp > 1 for T5.
+        ValueError: naming the config field that tp does not divide, or fewer layers than pp stages.
     """
     from mg_models.t5 import T5Config  # lazily: t5 imports this module
 
+    layers, layers_key = config.num_layers, f"model.num_layers={config.num_layers}"
     if isinstance(config, T5Config):
-        if pp > 1:
-            raise ValueError(f"pipeline parallelism (pp>1) is not supported for T5 (parallel.pp={pp}); "
-                             f"use tensor and data parallelism (pp=1)")
         checks = [("model.num_attention_heads", config.num_attention_heads),
                   ("model.ffn_hidden_size", config.ffn_hidden_size)]
+        layers = config.num_layers + config.decoder_layers  # a pipeline cuts encoder then decoder layers
+        layers_key = f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
     else:
         checks = [("model.num_attention_heads", config.num_attention_heads),
                   ("model.num_query_groups", config.query_groups), ("model.ffn_hidden_size", config.ffn_size)]
@@ -372,5 +372,6 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
             raise ValueError(
                 f"{what}={value} is not divisible by parallel.tp={tp}; choose a tp that divides it or change {what}"
             )
-    if config.num_layers < pp:
-        raise ValueError(f"model.num_layers={config.num_layers} is smaller than parallel.pp={pp}; use fewer stages")
+    if layers < pp:
+        raise ValueError(f"{layers_key} cannot fill parallel.pp={pp} pipeline stages (one layer each at least); use fewer "
+                         f"stages")

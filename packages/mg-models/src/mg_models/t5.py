@@ -9,8 +9,14 @@
   (``scale_decoder_output``, T5 v1.0); untied head: a separate ``output_layer.weight`` (v1.1).
 * Heads, MLP width and vocabulary are split over tensor-parallel ranks; the relative bias table
   is replicated (each rank reads its heads' columns, so its grads are partial sums over tp and are
-  tagged ``sequence_parallel`` for the tp all-reduce). Pipeline and sequence parallelism are not
-  supported for T5.
+  tagged ``sequence_parallel`` for the tp all-reduce). Sequence parallelism is not supported for T5.
+* Pipeline stages cut the encoder's layers, then the decoder's, into contiguous ranges
+  (``layer_range`` over ``num_layers + decoder_layers``). The first stage embeds both the source and
+  the decoder input; every stage sends ``[s_enc + s_dec, b, h]``: the encoder part (its output once
+  the encoder is done, which decoder stages read for cross-attention and pass on) stacked on the
+  decoder part. Every stage holds both relative position bias tables, tagged
+  ``pipeline_replicated`` so their gradients are summed over the pipeline; a tied head on the last
+  stage is its own ``output_layer.weight`` tagged ``shared_embedding``, as for GPT.
 * :class:`T5DecoderCache` keeps decoder self-attention keys/values and the cross-attention
   keys/values of the encoder output for incremental decoding (:func:`greedy_generate`).
 """
@@ -290,13 +296,20 @@ class T5Layer(nn.Module):
 
 class T5Stack(nn.Module):
     """Encoder or decoder stack with its relative position bias table ``relative_attention_bias`` [buckets, heads]
-    (replicated; shared by all layers) and ``final_layernorm``."""
+    (replicated; shared by all layers) and ``final_layernorm``.
 
-    def __init__(self, ctx: BuildContext, prefix: str, decoder: bool) -> None:
+    A pipeline stage holds the table and ``layers`` (the stack's global layer indices in ``layer_ids``, keyed by
+    index); the stage with the stack's first layer applies the embedding dropout, the one with its last layer
+    the final norm.
+    """
+
+    def __init__(self, ctx: BuildContext, prefix: str, decoder: bool, layer_ids: range | None = None, *,
+                 pipeline_replicated: bool = False) -> None:
         super().__init__()
         c = ctx.config
         self.ctx, self.decoder = ctx, decoder
         n = c.decoder_layers if decoder else c.num_layers
+        layer_ids = range(n) if layer_ids is None else layer_ids
         self.relative_attention_bias = nn.Embedding(c.relative_attention_num_buckets, c.num_attention_heads,
                                                     dtype=ctx.dtype, device=ctx.device)
         normal_init(ctx.seed, f"{prefix}.relative_attention_bias.weight", c.init_factor * c.hidden_size ** -0.5)(
@@ -304,8 +317,13 @@ class T5Stack(nn.Module):
         mark_replicated(self.relative_attention_bias)
         # Each tp rank reads only its heads' columns: grads are partial over tp (all-reduced like SP params).
         ctx.mark_partial_grads(self.relative_attention_bias, ctx.tp_size > 1)
-        self.layers = nn.ModuleList([T5Layer(ctx, f"{prefix}.layers.{i}", i, decoder) for i in range(n)])
-        self.final_layernorm = RMSNorm(ctx, f"{prefix}.final_layernorm")
+        if pipeline_replicated:  # every stage holds it, whether or not it uses it: grads summed over pp
+            self.relative_attention_bias.weight.pipeline_replicated = True
+        self.layers = nn.ModuleDict({str(i): T5Layer(ctx, f"{prefix}.layers.{i}", i, decoder) for i in layer_ids})
+        self.first = len(layer_ids) > 0 and layer_ids[0] == 0
+        self.final_layernorm = None
+        if len(layer_ids) > 0 and layer_ids[-1] == n - 1:
+            self.final_layernorm = RMSNorm(ctx, f"{prefix}.final_layernorm")
         self.dropout = c.dropout
 
     def position_bias(self, q_len: int, k_len: int, offset: int, device: torch.device) -> torch.Tensor:
@@ -320,7 +338,8 @@ class T5Stack(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, memory: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None, cache: T5DecoderCache | None = None) -> torch.Tensor:
-        """x: embedded [s, b, h]; key_mask [b, k_len] (1 = token); memory/memory_mask: encoder output and its mask."""
+        """x: embedded (or a previous stage's hidden) [s, b, h]; key_mask [b, k_len] (1 = token); memory/memory_mask:
+        encoder output and its mask."""
         s = x.shape[0]
         offset = cache.offset if cache is not None else 0
         k_len = offset + s
@@ -336,53 +355,94 @@ class T5Stack(nn.Module):
             cross = torch.zeros(1, 1, 1, memory.shape[0], dtype=bias.dtype, device=x.device)
             if memory_mask is not None:
                 cross = (1.0 - memory_mask[:, None, None, :].to(bias.dtype)) * neg
-        x = self._drop(x)
-        for layer in self.layers:
+        if self.first:
+            x = self._drop(x)
+        for layer in self.layers.values():
             x = layer(x, bias, memory, cross, cache)
-        return self._drop(self.final_layernorm(x))
+        return self._drop(self.final_layernorm(x)) if self.final_layernorm is not None else x
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
 
 
 class T5Model(nn.Module):
-    """T5 encoder-decoder on mg-parallel layers (see module docstring).
+    """T5 encoder-decoder on mg-parallel layers (see module docstring), or one pipeline stage of it.
 
     Args:
         config: the architecture.
-        grid: the process grid (``ProcessGrid.single()`` when None); tp only (pp must be 1).
+        grid: the process grid (``ProcessGrid.single()`` when None); tp and pp.
+        pre_process: this stage embeds the source and decoder tokens (first pipeline stage).
+        post_process: this stage holds the decoder's head and returns the loss or logits (last stage).
+        layer_range: global ``(start, end)`` over the encoder's layers followed by the decoder's
+            (``num_layers + decoder_layers`` in all); None means all.
         seed: initialisation seed.
         rng_tracker: mg_parallel ``RNGTracker`` for attention dropout on tp-sharded heads.
         dtype: parameter dtype (fp32 when None).
 
     Raises:
-        ValueError: pp > 1, or tp does not divide the heads / MLP width / padded vocabulary (names the field).
+        ValueError: tp does not divide the heads / MLP width / padded vocabulary (names the field), or a bad
+            ``layer_range``.
     """
 
-    def __init__(self, config: T5Config, grid: ProcessGrid | None = None, *, seed: int = 1234,
+    tied_embedding_name = WORD_EMBEDDING
+    """The parameter whose copy a tied head on a later pipeline stage holds as ``output_layer.weight``."""
+
+    def __init__(self, config: T5Config, grid: ProcessGrid | None = None, *, pre_process: bool = True,
+                 post_process: bool = True, layer_range: tuple[int, int] | None = None, seed: int = 1234,
                  rng_tracker: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not isinstance(config, T5Config):
             raise ValueError(f"T5Model needs a T5Config, got {type(config).__name__}")
         grid = grid or ProcessGrid.single()
         check_parallel(config, grid.tp_size, grid.pp_size)
+        enc_layers, total = config.num_layers, config.num_layers + config.decoder_layers
+        start, end = layer_range if layer_range is not None else (0, total)
+        if not 0 <= start < end <= total:
+            raise ValueError(f"layer_range=({start}, {end}) must satisfy 0 <= start < end <= {total} (the encoder's "
+                             f"and the decoder's layers)")
         tp = grid.tp_size
         self.config, self.grid = config, grid
+        self.pre_process, self.post_process, self.layer_range = pre_process, post_process, (start, end)
         self.ctx = BuildContext(config=config, tp_group=grid.tp_group, tp_size=tp, tp_rank=grid.tp_rank, seed=seed,
                                 rng_tracker=rng_tracker, device=grid.device, dtype=dtype)
+        self.input_tensor: torch.Tensor | None = None
         self.gather_logits_default = False
         """When True, forward returns full unpadded logits unless told otherwise (set by load_hf_t5)."""
-        self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, config.hidden_size, tp_group=grid.tp_group,
-            init_method=normal_init(seed, WORD_EMBEDDING, config.init_factor), dtype=dtype, device=grid.device)
-        self.encoder = T5Stack(self.ctx, "encoder", decoder=False)
-        self.decoder = T5Stack(self.ctx, "decoder", decoder=True)
+        staged = not (pre_process and post_process)
+        self.word_embeddings = None
+        if pre_process:
+            self.word_embeddings = VocabParallelEmbedding(
+                config.padded_vocab_size, config.hidden_size, tp_group=grid.tp_group,
+                init_method=normal_init(seed, WORD_EMBEDDING, config.init_factor), dtype=dtype, device=grid.device)
+        replicated = grid.pp_size > 1
+        self.encoder = T5Stack(self.ctx, "encoder", decoder=False, layer_ids=range(start, min(end, enc_layers)),
+                               pipeline_replicated=replicated)
+        self.decoder = T5Stack(self.ctx, "decoder", decoder=True,
+                               layer_ids=range(max(start - enc_layers, 0), max(end - enc_layers, 0)),
+                               pipeline_replicated=replicated)
         self.output_layer = None
-        if not config.tie_word_embeddings:
-            self.output_layer = VocabParallelEmbedding(  # only its weight [V_pad/tp, h] is used, as the head
-                config.padded_vocab_size, config.hidden_size, tp_group=grid.tp_group, init_method=normal_init(
-                    seed, "output_layer.weight", config.init_factor * config.hidden_size ** -0.5),
-                dtype=dtype, device=grid.device)
+        tied = config.tie_word_embeddings
+        if post_process and (not tied or not pre_process):  # only its weight [V_pad/tp, h] is used, as the head
+            init = normal_init(seed, WORD_EMBEDDING, config.init_factor) if tied else normal_init(
+                seed, "output_layer.weight", config.init_factor * config.hidden_size ** -0.5)
+            self.output_layer = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
+                                                       tp_group=grid.tp_group, init_method=init, dtype=dtype,
+                                                       device=grid.device)
+        if tied and staged:  # the first stage's embedding and the last stage's head: one tied weight
+            for module in (self.word_embeddings, self.output_layer):
+                if module is not None:
+                    module.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Pipeline hook: the [s_enc + s_dec, b, h] hidden states this (non-first) stage starts from."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def _whole(self, what: str) -> None:
+        if not (self.pre_process and self.post_process):
+            raise ValueError(f"T5Model.{what} needs the whole model (pre_process and post_process), not a pipeline "
+                             f"stage; call the stage's forward")
 
     def _embed(self, ids: torch.Tensor, tied: TiedGradient | None = None) -> torch.Tensor:
         if tied is not None:
@@ -391,6 +451,7 @@ class T5Model(nn.Module):
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Encoder output [s, b, h] for ids [b, s] (``attention_mask`` [b, s]: 1 = token, 0 = padding)."""
+        self._whole("encode")
         return self.encoder(self._embed(input_ids), attention_mask)
 
     def decode(self, decoder_input_ids: torch.Tensor, encoder_output: torch.Tensor,
@@ -401,20 +462,18 @@ class T5Model(nn.Module):
 
         With ``cache`` only the new decoder tokens are passed; earlier ones come from the cache.
         """
-        return self._decode(decoder_input_ids, encoder_output, attention_mask, decoder_attention_mask, labels,
-                            gather_logits, cache, None)
-
-    def _decode(self, decoder_input_ids: torch.Tensor, encoder_output: torch.Tensor,
-                attention_mask: torch.Tensor | None, decoder_attention_mask: torch.Tensor | None,
-                labels: torch.Tensor | None, gather_logits: bool | None, cache: T5DecoderCache | None,
-                tied: TiedGradient | None) -> torch.Tensor:
-        c = self.config
+        self._whole("decode")
         if cache is not None and decoder_attention_mask is not None:
             raise ValueError("decoder_attention_mask is not supported with a cache; decoding is left-aligned")
-        x = self.decoder(self._embed(decoder_input_ids, tied), decoder_attention_mask, encoder_output, attention_mask,
-                         cache)
+        x = self.decoder(self._embed(decoder_input_ids), decoder_attention_mask, encoder_output, attention_mask, cache)
         if cache is not None:
             cache.offset += decoder_input_ids.shape[1]
+        return self._head(x, labels, gather_logits, None)
+
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None, gather_logits: bool | None,
+              tied: TiedGradient | None) -> torch.Tensor:
+        """Decoder output [t, b, h] -> logits [b, t, V_pad/tp] (or gathered), or the per-token loss [b, t]."""
+        c = self.config
         if c.scale_output:
             x = x * c.hidden_size ** -0.5
         weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
@@ -434,20 +493,41 @@ class T5Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None,
-                gather_logits: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode ``input_ids`` [b, s] and decode ``decoder_input_ids`` [b, t] (teacher forcing).
+                gather_logits: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Encode ``input_ids`` [b, s] and decode ``decoder_input_ids`` [b, t] (teacher forcing); every pipeline
+        stage takes the same arguments (the first reads the ids, every stage the masks and lengths, the last
+        ``labels``).
 
         Returns:
-            ``(logits_or_loss, encoder_output)``: decoder logits [b, t, V_pad/tp] ([b, t, vocab] when gathered)
-            or, with ``labels`` [b, t] (-100 = ignore), the per-token loss [b, t] (fp32); encoder output [s, b, h].
+            The last stage: ``(logits_or_loss, encoder_output)``: decoder logits [b, t, V_pad/tp] ([b, t, vocab]
+            when gathered) or, with ``labels`` [b, t] (-100 = ignore), the per-token loss [b, t] (fp32); encoder
+            output [s, b, h]. Another stage: the hidden states [s + t, b, h] it sends on.
+
+        Raises:
+            ValueError: a non-first stage without ``set_input_tensor``, or an input tensor whose length is not
+                s + t.
         """
+        s, t = input_ids.shape[1], decoder_input_ids.shape[1]
         tied = None
-        if self.output_layer is None and self.ctx.tp_size == 1 and torch.is_grad_enabled():
-            tied = TiedGradient()  # both lookups and the head share one weight: one [V, h] gradient
-        memory = self.encoder(self._embed(input_ids, tied), attention_mask)
-        out = self._decode(decoder_input_ids, memory, attention_mask, decoder_attention_mask, labels, gather_logits,
-                           None, tied)
-        return out, memory
+        if self.pre_process:
+            if (self.post_process and self.output_layer is None and self.ctx.tp_size == 1
+                    and torch.is_grad_enabled()):
+                tied = TiedGradient()  # both lookups and the head share one weight: one [V, h] gradient
+            memory, x = self._embed(input_ids, tied), self._embed(decoder_input_ids, tied)
+        else:
+            if self.input_tensor is None:
+                raise ValueError("a non-first pipeline stage needs set_input_tensor(hidden) before forward")
+            if self.input_tensor.shape[0] != s + t:
+                raise ValueError(f"the input tensor holds {self.input_tensor.shape[0]} positions but the source and "
+                                 f"decoder inputs {s} + {t}")
+            memory, x = self.input_tensor[:s], self.input_tensor[s:]
+        if self.encoder.layers:
+            memory = self.encoder(memory, attention_mask)
+        if self.decoder.layers:
+            x = self.decoder(x, decoder_attention_mask, memory, attention_mask)
+        if not self.post_process:
+            return torch.cat([memory, x])
+        return self._head(x, labels, gather_logits, tied), memory
 
 
 @torch.no_grad()

@@ -42,9 +42,13 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
             check_context_parallel(cfg, p.tp, p.cp, p.cp_comm)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    if cfg.num_layers % (p.pp * p.vpp):
+    layers, what = cfg.num_layers, f"model.num_layers={cfg.num_layers}"
+    if config.model.type == "t5":
+        layers = cfg.num_layers + cfg.decoder_layers
+        what = f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
+    if layers % (p.pp * p.vpp):
         raise TrainingError(
-            f"model.num_layers={cfg.num_layers} cannot be split evenly over parallel.pp*parallel.vpp = "
+            f"{what} cannot be split evenly over parallel.pp*parallel.vpp = "
             f"{p.pp}*{p.vpp} = {p.pp * p.vpp} pipeline stages; choose a layer count divisible by it"
         )
 
@@ -72,7 +76,8 @@ def check_expert_layout(cfg: Any, config: RunConfig) -> None:
 def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:
     """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured.
 
-    GPT and BERT are cut into pipeline stages by layer; T5 is one chunk (pp must be 1).
+    GPT and BERT are cut into pipeline stages by layer; T5 by its encoder layers followed by its decoder layers
+    (one chunk per rank).
     """
     dims = grid.dims
     policy = Precision.from_name(config.train.precision)
@@ -81,7 +86,9 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
     if config.model.type == "t5":
         from mg_models.t5 import T5Model
 
-        return [T5Model(cfg, grid, seed=config.train.seed, rng_tracker=rng, dtype=dtype)]
+        (layers,) = partition_layers(cfg.num_layers + cfg.decoder_layers, dims.pp)[grid.pp_rank]
+        return [T5Model(cfg, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
+                        layer_range=(layers.start, layers.stop), seed=config.train.seed, rng_tracker=rng, dtype=dtype)]
     model_cls = GPTModel
     if config.model.type == "bert":
         from mg_models.bert import BertModel

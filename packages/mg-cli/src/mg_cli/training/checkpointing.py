@@ -46,6 +46,17 @@ def is_tied_copy(module: torch.nn.Module, name: str) -> bool:
             and not getattr(module, "pre_process", True))
 
 
+def tied_source(module: torch.nn.Module) -> str:
+    """The global name of the word embedding a tied copy on ``module`` loads from."""
+    return getattr(module, "tied_embedding_name", WORD_EMBEDDING)
+
+
+def is_pipeline_copy(param: torch.Tensor, grid: ProcessGrid) -> bool:
+    """A parameter every pipeline stage holds (T5's position bias tables), on a stage other than the first: the
+    first stage's copy is the one saved."""
+    return getattr(param, "pipeline_replicated", False) and grid.pp_size > 1 and not grid.is_first_stage
+
+
 def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: bool) -> tuple[int, int]:
     """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
     tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
@@ -97,10 +108,12 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
         policy = getattr(chunk, "precision", None) if getattr(chunk, "fully_sharded", False) else None
         for name, param in module.named_parameters():
             key = name
+            if is_pipeline_copy(param, grid) and not for_load:
+                continue
             if is_tied_copy(module, name):
                 if not for_load:
                     continue
-                key = WORD_EMBEDDING
+                key = tied_source(module)
             gshape, goffset = global_block(param, grid, name)
             r, n = _replicas(param, name, grid, dp_sharded=False)
             if for_load:
@@ -162,10 +175,12 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
         for name, entry in entries.items():
             param = params[name]
             key = name
+            if is_pipeline_copy(param, grid) and not for_load:
+                continue
             if is_tied_copy(module, name):
                 if not for_load:
                     continue
-                key = WORD_EMBEDDING
+                key = tied_source(module)
             gshape, goffset = global_block(param, grid, name)
             r, n = _replicas(param, name, grid, dp_sharded=distributed)
             if for_load:

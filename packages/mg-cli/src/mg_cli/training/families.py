@@ -117,9 +117,13 @@ def model_config(config: RunConfig, vocab_size: int, pretrained: Any = None, num
 def check_t5_layout(config: RunConfig) -> None:
     """What T5 training does not support, as one-line errors naming the key."""
     p = config.parallel
-    if p.pp > 1:
-        raise TrainingError(f"parallel.pp={p.pp}: pipeline parallelism is not supported for model.type=t5; "
-                            f"use parallel.pp=1 with tensor (parallel.tp) and data parallelism")
+    if p.vpp > 1:
+        raise TrainingError(f"parallel.vpp={p.vpp}: the interleaved pipeline schedule is not supported for "
+                            f"model.type=t5; use parallel.vpp=1 (parallel.pp alone cuts the encoder and decoder "
+                            f"layers into stages)")
+    if p.pp > 1 and p.fsdp:
+        raise TrainingError(f"parallel.fsdp with parallel.pp={p.pp} is not supported for model.type=t5; use the "
+                            f"distributed optimizer (parallel.distributed_optimizer=true) with the pipeline")
     if p.sequence_parallel:
         raise TrainingError("parallel.sequence_parallel is not supported for model.type=t5; set it to false")
     if p.recompute_granularity is not None:
@@ -298,13 +302,14 @@ def _bert_step(batch: dict[str, torch.Tensor], chunk: Any, *, sentence_task: str
 
 
 def _t5_step(batch: dict[str, torch.Tensor], chunk: Any) -> tuple[Any, Any]:
-    # Decoder padding follows every target, so the causal mask alone keeps real positions off it.
-    per_token, _ = chunk(batch["text_enc"], batch["text_dec"], batch["enc_mask"], labels=batch["labels"])
+    # Decoder padding follows every target, so the causal mask alone keeps real positions off it. Every stage gets
+    # the ids (their lengths) and the source mask; the last stage returns (per-token loss, encoder output).
+    output = chunk(batch["text_enc"], batch["text_dec"], batch["enc_mask"], labels=batch["labels"])
 
-    def loss_fn(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        loss = _masked_mean(out, batch["loss_mask"])
+    def loss_fn(out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss = _masked_mean(out[0], batch["loss_mask"])
         return loss, {"lm_loss": loss.detach()}
-    return per_token, loss_fn
+    return output, loss_fn
 
 
 def forward_step_for(family: str, sentence_task: str = "sop", data_format: str = "pretrain", *,

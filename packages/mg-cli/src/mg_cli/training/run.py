@@ -61,6 +61,14 @@ class Run:
         return self.config.train.precision == "fp16"
 
 
+def stage_positions(config: RunConfig, ds_config: Any, seq: int, grid: Any) -> int:
+    """Positions of the activations a pipeline stage sends: this rank's ``seq`` tokens (split over tp under
+    sequence parallelism); T5 sends the encoder's positions and the decoder's."""
+    if config.model.type == "t5":
+        return seq + (ds_config.decoder_seq_length or ds_config.decoder_length)
+    return seq // grid.tp_size if grid.dims.sequence_parallel else seq
+
+
 def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, saver: Any) -> Run:
     """Build the grid, model, optimizer, schedule and data, and restore ``load_path`` if given.
 
@@ -108,7 +116,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
                                       cp_group=grid.cp_group if grid.cp_size > 1 else None),
         logged_losses=logged_losses(family, task, config.data.format),
         dtype=Precision.from_name(t.precision).param_dtype,
-        tensor_shape=(seq // grid.tp_size if dims.sequence_parallel else seq, t.micro_batch_size, model_cfg.hidden_size),
+        tensor_shape=(stage_positions(config, data.ds_config, seq, grid), t.micro_batch_size, model_cfg.hidden_size),
         flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, config.model.seq_length,
                                              config.data.format,
                                              recompute=config.parallel.recompute_granularity == "full"),

@@ -92,8 +92,9 @@ class GradBuffer:
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.shard_multiple = shard_multiple
-        # Lay out in reverse registration order (~ backward order); a tied/shared embedding gets a
-        # bucket of its own so that pipeline stages with different layouts agree on its shards.
+        # Lay out in reverse registration order (~ backward order); a tied/shared embedding (and a
+        # parameter every pipeline stage holds) gets a bucket of its own so that pipeline stages with
+        # different layouts agree on its shards.
         layout: list[tuple[list[torch.nn.Parameter], int, int]] = []  # (params, start, padded end)
         current: list[torch.nn.Parameter] = []
         offset = bucket_start = 0
@@ -108,7 +109,7 @@ class GradBuffer:
             current, offset, bucket_start = [], end, end
 
         for p in reversed(params):
-            shared = getattr(p, "shared_embedding", False)
+            shared = getattr(p, "shared_embedding", False) or getattr(p, "pipeline_replicated", False)
             if shared:
                 close()
             slots.append((p, offset, offset + p.numel()))

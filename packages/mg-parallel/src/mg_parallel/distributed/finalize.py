@@ -8,7 +8,7 @@ from torch import nn
 
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.params import grad_of
-from mg_parallel.pipeline.grads import allreduce_shared_embedding_grads
+from mg_parallel.pipeline.grads import allreduce_pipeline_replicated_grads, allreduce_shared_embedding_grads
 from mg_parallel.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 __all__ = ["finalize_model_grads", "grad_of"]
@@ -26,11 +26,13 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -
        gradients are summed over ``grid.tp_group``.
     3. Parameters marked ``shared_embedding`` (a word embedding tied to the output layer on
        another pipeline stage) are summed over ``grid.embedding_group`` (first and last stage;
-       nothing happens when ``pp == 1``).
+       nothing happens when ``pp == 1``), and parameters marked ``pipeline_replicated`` (held by every
+       stage) over ``grid.pp_group``.
 
     Steps 2 and 3 are linear, so they commute with the data-parallel average; with the
     distributed optimizer only this rank's shard of each bucket is meaningful afterwards, and
-    tp/pp peers agree on where that shard is (shared embeddings get a bucket of their own).
+    tp/pp peers agree on where that shard is (shared embeddings and pipeline-replicated parameters get a
+    bucket of their own).
 
     Args:
         model_chunks: this rank's model chunks (usually ``DistributedDataParallel`` wrappers).
@@ -55,3 +57,4 @@ def finalize_model_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -
             finish()
     allreduce_sequence_parallel_grads(model_chunks, grid.tp_group)
     allreduce_shared_embedding_grads(model_chunks, grid)
+    allreduce_pipeline_replicated_grads(model_chunks, grid)

@@ -7,7 +7,8 @@ A parameter's gradient must be counted exactly once in the global norm:
   parameter without a tensor-parallel tag is an error, see
   :func:`~mg_parallel.tensor_parallel.is_tensor_parallel`);
 * the copy of a tied embedding on the last pipeline stage (``param.shared_embedding`` with
-  pp > 1) repeats the first stage's: only the first stage counts it;
+  pp > 1) repeats the first stage's: only the first stage counts it, and so does a parameter
+  every stage holds (``param.pipeline_replicated``);
 * without the distributed optimizer every data/context-parallel replica holds the same full
   gradients, so only context rank 0 counts and the sum runs over the model-parallel group;
   with it, the dp/cp ranks hold disjoint shards, so all count and the sum runs over every rank.
@@ -37,7 +38,8 @@ def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: b
     """
     if grid.tp_size > 1 and not is_tensor_parallel(param, name) and grid.tp_rank != 0:
         return False
-    if getattr(param, "shared_embedding", False) and grid.pp_size > 1 and not grid.is_first_stage:
+    if grid.pp_size > 1 and not grid.is_first_stage and (getattr(param, "shared_embedding", False)
+                                                         or getattr(param, "pipeline_replicated", False)):
         return False
     if sharded_over_dp:
         return True

@@ -4,7 +4,11 @@ See :mod:`mg_parallel.pipeline.schedules` for the schedule contract and
 :mod:`mg_parallel.pipeline.timetable` for why the schedules cannot deadlock.
 """
 
-from mg_parallel.pipeline.grads import allreduce_shared_embedding_grads, average_losses
+from mg_parallel.pipeline.grads import (
+    allreduce_pipeline_replicated_grads,
+    allreduce_shared_embedding_grads,
+    average_losses,
+)
 from mg_parallel.pipeline.partition import partition_layers
 from mg_parallel.pipeline.recorder import Recorder, ScheduleEvent, ScheduleRecorder
 from mg_parallel.pipeline.schedules import (
@@ -22,6 +26,7 @@ __all__ = [
     "Recorder",
     "ScheduleEvent",
     "ScheduleRecorder",
+    "allreduce_pipeline_replicated_grads",
     "allreduce_shared_embedding_grads",
     "average_losses",
     "finalize_model_grads",

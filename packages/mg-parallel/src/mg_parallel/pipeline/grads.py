@@ -13,7 +13,7 @@ from mg_parallel.collectives import all_reduce_coalesced
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.params import grad_of, unique_params
 
-__all__ = ["allreduce_shared_embedding_grads", "average_losses"]
+__all__ = ["allreduce_pipeline_replicated_grads", "allreduce_shared_embedding_grads", "average_losses"]
 
 
 def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
@@ -32,20 +32,50 @@ def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: Pr
     """
     if grid.embedding_group is None or not (grid.is_first_stage or grid.is_last_stage):
         return
-    params = [p for p in unique_params(model_chunks) if getattr(p, "shared_embedding", False)]
+    _sum_tagged_grads(model_chunks, grid, "shared_embedding", grid.embedding_group, lambda count: (
+        f"pipeline rank {grid.pp_rank} holds {count} shared_embedding elements but the other end of the embedding "
+        f"group differs; mark the tied word embedding with param.shared_embedding = True on both the first and the "
+        f"last stage (or on neither)"))
+
+
+def allreduce_pipeline_replicated_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) -> None:
+    """Sum the gradients of ``pipeline_replicated`` parameters over the pipeline-parallel group.
+
+    A parameter that every stage holds (in the same order and shape), though only some use it, is
+    marked ``param.pipeline_replicated = True`` (T5's relative position bias tables, read by the
+    layers of a stack wherever they are). Summing over ``grid.pp_group`` gives every copy the
+    gradient of the one parameter, so identical optimizer steps keep the copies equal. No-op when
+    pp == 1. Reads ``param.main_grad`` when DDP gave one, else ``param.grad`` (a missing ``.grad``
+    counts as zeros and is set to the sum).
+
+    Raises:
+        RuntimeError: the stages hold different numbers of pipeline-replicated elements.
+    """
+    if grid.pp_group is None or grid.pp_size == 1:
+        return
+    _sum_tagged_grads(model_chunks, grid, "pipeline_replicated", grid.pp_group, lambda count: (
+        f"pipeline rank {grid.pp_rank} holds {count} pipeline_replicated elements but another stage differs; every "
+        f"stage must hold the same parameters marked param.pipeline_replicated = True"))
+
+
+def _sum_tagged_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid, tag: str, group: Any,
+                      mismatch: Any) -> None:
+    """Sum the gradients of the parameters tagged ``tag`` over ``group`` (a missing gradient counts as zeros)."""
+    params = [p for p in unique_params(model_chunks) if getattr(p, tag, False)]
     grads = [grad_of(p) for p in params]
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     count = sum(g.numel() for g in grads)
-    # One tiny collective so a mismatch is an error rather than a hang in the real reduction.
-    sizes = torch.tensor([count, -count], dtype=torch.int64, device=grid.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=grid.embedding_group)
-    if sizes[0].item() != count or -sizes[1].item() != count:
-        raise RuntimeError(
-            f"pipeline rank {grid.pp_rank} holds {count} shared_embedding elements but the other end of the "
-            f"embedding group differs; mark the tied word embedding with param.shared_embedding = True on "
-            f"both the first and the last stage (or on neither)"
-        )
-    all_reduce_coalesced(grads, grid.embedding_group)
+    # One tiny collective, once per model, so a mismatch is an error rather than a hang in the real reduction.
+    checked = f"_{tag}_count"
+    if getattr(model_chunks[0], checked, None) != count:
+        sizes = torch.tensor([count, -count], dtype=torch.int64, device=grid.device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        if sizes[0].item() != count or -sizes[1].item() != count:
+            raise RuntimeError(mismatch(count))
+        setattr(model_chunks[0], checked, count)
+    if not params:
+        return
+    all_reduce_coalesced(grads, group)
     for p, g in zip(params, grads):
         if grad_of(p) is None:
             p.grad = g
