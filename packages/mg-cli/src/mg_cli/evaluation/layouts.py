@@ -58,6 +58,11 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
         config, state, _ = read_hf_directory(checkpoint)
         extra = {}
     check_parallel(config, tp=tp, pp=pp)
+    from mg_models.t5 import T5Config
+
+    if isinstance(config, T5Config) and pp > 1:
+        raise ValueError(f"parallel.pp={pp}: mg eval does not split T5 into pipeline stages; use parallel.pp=1 "
+                         f"with tensor or data parallelism")
     grid = build_grid(ParallelDims(tp=tp, pp=pp))
     model = _stage_model(config, grid, dtype)
     if state is None:
@@ -104,7 +109,7 @@ class PipelineRunner(ModelRunner):
                  decoder_start_token_id: int = 0) -> None:
         super().__init__(model, max_length=max_length, dp_group=dp_group, decoder_start_token_id=decoder_start_token_id)
         if self.family == "t5":
-            raise ValueError("T5 cannot be split into pipeline stages; use parallel.pp=1")
+            raise ValueError("T5 evaluation does not run over pipeline stages; use parallel.pp=1")
 
     def _pipelined(self, ids: torch.Tensor, out_shape: Sequence[int], **kwargs: Any) -> torch.Tensor:
         grid, model = self.grid, self.model

@@ -112,32 +112,43 @@ def build_datasets(config: RunConfig, ds_config: Any, tokenizer: Any, wanted: tu
         raise TrainingError(f"data.path: {e}") from None
 
 
-def task_labels(config: RunConfig, tokenizer: Any) -> tuple[list[str] | None, int] | None:
-    """``(label names or None for integer labels, number of labels)`` of a classification run, else None.
+def run_datasets(config: RunConfig, tokenizer: Any) -> tuple[Any, list[Any]]:
+    """``(dataset config, [train, valid, test])`` of the run: as many samples as ``train.iters`` steps and every
+    validation of ``eval`` need, cached next to the (last) data file unless ``data.cache_dir`` says where.
 
     Raises:
-        TrainingError: unusable data.
+        TrainingError: unusable data (names the key and the file or line).
     """
-    if config.data.format != "classification":
-        return None
-    train, *_ = build_datasets(config, dataset_config(config, tokenizer, None), tokenizer, (None, None, None))
+    d, t = config.data, config.train
+    blend = d.path if isinstance(d.path, list) else [d.path]
+    cache = d.cache_dir or os.path.join(os.path.dirname(os.path.abspath(str(blend[-1]))), "index-cache")
+    gbs = t.global_batch_size
+    evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
+    wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
+    ds_config = dataset_config(config, tokenizer, cache)
+    return ds_config, build_datasets(config, ds_config, tokenizer, wanted)
+
+
+def task_labels(datasets: list[Any]) -> tuple[list[str] | None, int]:
+    """``(label names or None for integer labels, number of labels)`` of a classification run's datasets."""
+    train = datasets[0]
     return (None if train.label_names is None else list(train.label_names)), int(train.num_labels)
 
 
 class RunData:
-    """Train/valid datasets and per-rank micro-batch iterators."""
+    """Train/valid datasets and per-rank micro-batch iterators.
 
-    def __init__(self, config: RunConfig, grid: ProcessGrid, tokenizer: Any) -> None:
+    ``built``: what :func:`run_datasets` returned for this config, when the checks before the run built it
+    already (the classification format reads its labels from it); otherwise it is built here.
+    """
+
+    def __init__(self, config: RunConfig, grid: ProcessGrid, tokenizer: Any,
+                 built: tuple[Any, list[Any]] | None = None) -> None:
         d, t = config.data, config.train
         self.config = config
         self.grid = grid
-        blend = d.path if isinstance(d.path, list) else [d.path]
-        cache = d.cache_dir or os.path.join(os.path.dirname(os.path.abspath(str(blend[-1]))), "index-cache")
         gbs = t.global_batch_size
-        evals = (t.iters // config.eval.interval if config.eval.interval else 0) + 1
-        wanted = (t.iters * gbs, config.eval.iters * gbs * evals, None)
-        self.ds_config = dataset_config(config, tokenizer, cache)
-        self.train_ds, self.valid_ds, _ = build_datasets(config, self.ds_config, tokenizer, wanted)
+        self.ds_config, (self.train_ds, self.valid_ds, _) = built or run_datasets(config, tokenizer)
         if self.train_ds is None:
             raise TrainingError(f"data.split={d.split!r} gives the training split no documents; raise its weight")
         if len(self.train_ds) < gbs:

@@ -78,7 +78,7 @@ def preflight(config: RunConfig, env: Env) -> Plan:
     except (ValueError, OSError) as e:
         raise TrainingError(f"data.tokenizer_model: {e}") from None
     from mg_cli.training.build import check_model_layout, model_config
-    from mg_cli.training.data import dataset_config, task_labels
+    from mg_cli.training.data import dataset_config, run_datasets, task_labels
     from mg_cli.training.schedule import lr_schedule
 
     pretrained = None
@@ -88,7 +88,10 @@ def preflight(config: RunConfig, env: Env) -> Plan:
         pretrained = read_pretrained(config.checkpoint.init_from)
         check_vocabulary(pretrained, tokenizer.vocab_size, config.data.tokenizer_model)
     dataset_config(config, tokenizer, None)  # the family's special tokens and sample lengths
-    labels = task_labels(config, tokenizer)
+    labels = built = None
+    if config.data.format == "classification":  # the head's size is the data's label count: build the data now
+        built = run_datasets(config, tokenizer)
+        labels = task_labels(built[1])
     model_cfg = model_config(config, tokenizer.vocab_size, pretrained, num_labels=labels[1] if labels else None)
     check_model_layout(model_cfg, config)
     try:
@@ -98,7 +101,7 @@ def preflight(config: RunConfig, env: Env) -> Plan:
     from mg_cli.training.tasks import parse_tasks
 
     return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained,
-                labels=labels, tasks=parse_tasks(config))
+                labels=labels, tasks=parse_tasks(config), datasets=built)
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:

@@ -99,7 +99,8 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     start_iter = 0
     if load_path is not None:
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
-    data = RunData(config, grid, plan.tokenizer)
+    data = RunData(config, grid, plan.tokenizer, plan.datasets)
+    plan.datasets = None
     seq = config.model.seq_length // grid.cp_size  # this rank's tokens of each sample
     forward_backward = get_forward_backward_func(grid, dims.vpp if dims.vpp > 1 else None)
     if config.parallel.fsdp:  # gradients are DTensor shards: FSDP's own sequence-parallel and tied-embedding fix-ups

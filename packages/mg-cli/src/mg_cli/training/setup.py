@@ -53,6 +53,9 @@ class Plan:
     """Classification: (label names, or None for integer labels; number of labels)."""
     tasks: list[Any] = field(default_factory=list)
     """``eval.tasks`` parsed (``mg_cli.evaluation.TaskSpec``)."""
+    datasets: Any = None
+    """The run's ``(dataset config, [train, valid, test])`` when the checks built them (classification), else
+    None (the run builds them)."""
 
 
 def read_env() -> Env:
