@@ -10,6 +10,10 @@ thread's CPU time (robust to other processes on a shared machine).
 
     .venv/bin/python benchmarks/bench_moe.py [--tokens 2048] [--hidden 512] [--ffn 1024] [--experts 8] [--topk 2]
 
+The products alone bound any implementation: the "floor" times the six matmuls per expert (forward and
+backward) and nothing else, and the last lines give this machine's fp32 matmul peak (the best single
+contiguous product) and what the floor and Hugging Face's block reach as a share of it.
+
 ``--bytes``: all-to-all traffic of one MoE layer's forward+backward at ep 2 and 4 (``ep`` processes, the
 dispatcher's ``all_to_all_single`` calls wrapped to count what each rank sends to the others), per token,
 against the analytic ``2·k·h·bytes`` per direction (dispatch and combine each move every token's ``k``
@@ -43,7 +47,9 @@ def _time(step: Callable[[], None], inner: int) -> float:
     return (clock() - t0) / inner
 
 
-def _compare(name: str, ours: Callable[[], None], ref: Callable[[], None], ref_name: str, reps: int) -> float:
+def _compare(name: str, ours: Callable[[], None], ref: Callable[[], None], ref_name: str, reps: int
+             ) -> tuple[float, float, float]:
+    """Print and return ``(median ratio ref/ours, median time of ours, median time of ref)``."""
     for _ in range(2):
         ours()
         ref()
@@ -59,7 +65,23 @@ def _compare(name: str, ours: Callable[[], None], ref: Callable[[], None], ref_n
     ratio = statistics.median(ratios)
     print(f"  {name:34s} {statistics.median(t_ours) * 1e3:8.2f} ms   {ref_name:26s} "
           f"{statistics.median(t_ref) * 1e3:8.2f} ms   ratio {ratio:5.2f}x")
-    return ratio
+    return ratio, statistics.median(t_ours), statistics.median(t_ref)
+
+
+def _matmul_peak(rows: int, h: int, f: int, reps: int) -> float:
+    """This machine's fp32 matmul rate (FLOP/s): the best of ``reps`` timings of the layer's largest product done
+    as one contiguous matmul (every routed row through one ``h x 2f`` weight), and of a square 2048 product."""
+    best = 0.0
+    for m, n, k in ((rows, 2 * f, h), (2048, 2048, 2048)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+
+        def product(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            a @ b
+
+        product()
+        inner = max(1, int(0.2 / max(_time(product, 1), 1e-6)))
+        best = max(best, max(2 * m * n * k / _time(product, inner) for _ in range(reps)))
+    return best
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
@@ -161,7 +183,7 @@ def bench_gpt(args: argparse.Namespace) -> None:
         steps[name] = step
     (moe_name, moe_step), (dense_name, dense_step) = steps.items()
     print(f"GPT training step (4 layers, h=256, 4 x 256 tokens, fp32, {args.threads} thread(s)):")
-    ratio = _compare(moe_name, moe_step, dense_step, dense_name, args.reps)
+    ratio, _, _ = _compare(moe_name, moe_step, dense_step, dense_name, args.reps)
     print(f"  MoE tokens/s = {ratio:.2f} x the dense model's")
     from torch.profiler import ProfilerActivity, profile
 
@@ -237,10 +259,19 @@ def main() -> None:
         choices = torch.softmax(x.reshape(-1, h) @ hf.gate.weight.t(), -1).topk(k, -1).indices
     counts = torch.bincount(choices.flatten(), minlength=n).tolist()
     floor = _matmul_floor(counts, h, f)
-    bound = _compare("the matmuls alone (a floor)", floor, _step(ref, x, g), "HF MixtralSparseMoeBlock", args.reps)
+    bound, t_floor, t_hf = _compare("the matmuls alone (a floor)", floor, _step(ref, x, g), "HF MixtralSparseMoeBlock",
+                                    args.reps)
     print(f"  => no implementation of these products can be more than {bound:.2f}x Hugging Face here")
     for name, layer in layers.items():
         _compare("the matmuls alone (a floor)", floor, _step(layer, x, g), f"mg MoELayer ({name})", args.reps)
+    # The products' FLOPs: forward x@w1 (2·m·h·2f) and a@w2 (2·m·f·h), backward twice that: 18·m·h·f per expert.
+    flop = sum(18 * m * h * f for m in counts)
+    peak = _matmul_peak(sum(counts), h, f, args.reps)
+    print(f"  the products: {flop / 1e9:.1f} GFLOP per step; this machine's fp32 matmul peak (best single contiguous "
+          f"matmul) {peak / 1e9:.1f} GFLOP/s")
+    print(f"  the floor runs them at {flop / t_floor / 1e9:.1f} GFLOP/s ({flop / t_floor / peak:.2f} of the peak), "
+          f"Hugging Face's block at {flop / t_hf / 1e9:.1f} GFLOP/s ({flop / t_hf / peak:.2f})")
+    print(f"  => at the peak, with nothing but the products, a layer would be {peak * t_hf / flop:.2f}x Hugging Face")
     if "grouped_mm" in layers:
         _compare("mg MoELayer (grouped_mm)", _step(layers["grouped_mm"], x, g), _step(layers["loop"], x, g),
                  "mg MoELayer (loop)", args.reps)

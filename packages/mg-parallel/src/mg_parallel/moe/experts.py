@@ -60,7 +60,7 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h)
         gate, up = h.chunk(2, -1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # one new tensor, not two (a fresh large CPU tensor costs its page faults)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -68,8 +68,9 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = h.chunk(2, -1)
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, -1)
-        torch.mul(F.silu(gate), grad, out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(F.silu(gate), grad, out=grad_up)  # (silu writing into a strided view is slow on CPU)
+        torch.mul(grad, up, out=grad_gate)  # then silu's backward in place there: no temporary
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_h
 
 
