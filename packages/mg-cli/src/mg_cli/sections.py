@@ -57,6 +57,10 @@ class TrainKeys:
     """Save (if configured) and stop after this many minutes."""
     threads: int | None = None
     """torch intra-op threads per process (null: cores / local processes)."""
+    compile: bool = False
+    """torch.compile each transformer layer (regional compilation: identical layers share one compiled graph;
+    a mixture-of-experts layer compiles its attention, its experts stay eager). The time spent compiling is
+    logged as compile_s and left out of tokens/s."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "iters"):

@@ -87,8 +87,9 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
         from mg_models.t5 import T5Model
 
         (layers,) = partition_layers(cfg.num_layers + cfg.decoder_layers, dims.pp)[grid.pp_rank]
-        return [T5Model(cfg, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
-                        layer_range=(layers.start, layers.stop), seed=config.train.seed, rng_tracker=rng, dtype=dtype)]
+        return _compiled([T5Model(cfg, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
+                                  layer_range=(layers.start, layers.stop), seed=config.train.seed, rng_tracker=rng,
+                                  dtype=dtype)], config)
     model_cls = GPTModel
     if config.model.type == "bert":
         from mg_models.bert import BertModel
@@ -104,6 +105,16 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
                                 layer_range=(layers.start, layers.stop), sequence_parallel=dims.sequence_parallel,
                                 seed=config.train.seed, rng_tracker=rng,
                                 recompute=recompute if recompute.granularity else None, dtype=dtype))
+    return _compiled(chunks, config)
+
+
+def _compiled(chunks: list[torch.nn.Module], config: RunConfig) -> list[torch.nn.Module]:
+    """``train.compile``: each transformer layer of each chunk compiled in place (regional compilation)."""
+    if config.train.compile:
+        from mg_models.compilation import compile_layers
+
+        for chunk in chunks:
+            compile_layers(chunk)
     return chunks
 
 

@@ -121,7 +121,7 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     from mg_cli.training.metrics import MetricsLogger, report_start, step_record
     from mg_cli.training.policy import CheckpointPolicy, StopConditions
     from mg_cli.training.run import build_run
-    from mg_cli.training.step import evaluate, train_step
+    from mg_cli.training.step import check_loss, evaluate, train_step
     from mg_cli.training.tasks import LoopTasks
     from mg_cli.training.throughput import peak_flops
 
@@ -149,17 +149,26 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     try:
         while iteration < t.iters:
             iteration += 1
-            result = train_step(run, iteration, batches)
-            last_loss = result.loss
-            if iteration % config.log.interval == 0 or iteration == t.iters:
+            # Only a logged step reads values back from the device (an unlogged one leaves it running ahead).
+            result = train_step(run, iteration, batches, log=iteration % config.log.interval == 0
+                                or iteration == t.iters)
+            if result.logged:
+                last_loss = result.loss
+                if result.compile_seconds >= 1.0:
+                    logger.message(f"iteration {iteration}: {result.compile_seconds:.1f} s compiling (train.compile), "
+                                   f"left out of its step time and tokens/s")
                 logger.log(step_record(run, result, peak))
             if config.eval.interval and iteration % config.eval.interval == 0:
                 last_val = validate(iteration)
             if checkpoints.due(iteration):
+                check_loss(run, result)
                 checkpoints.save(iteration)
             decision = stops.check()
             if iteration >= t.iters:
                 break  # the end-of-run save below
+            if decision.request in (STOP, SAVE) or decision.timed_out:
+                check_loss(run, result)
+                last_loss = result.loss if result.logged else float(result.pending_loss)
             if decision.request == STOP or decision.timed_out:
                 path = checkpoints.save(iteration, StopConditions.describe(decision, iteration, t.exit_after_minutes))
                 summary = {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": True}

@@ -111,8 +111,10 @@ def effective_settings(run: Any) -> dict[str, Any]:
     no_pipelining, 1f1b or interleaved); with context parallelism (cp > 1) also cp and cp_comm, as the
     model's attention runs them; with fully sharded data parallelism also fsdp, fsdp_shard_size (the ranks each
     parameter is split over) and offload_optimizer, as the sharded chunks have them; for a mixture-of-experts
-    model also ep, etp and experts (the expert computation path of this rank's MoE layers).
+    model also ep, etp and experts (the expert computation path of this rank's MoE layers); with
+    ``train.compile`` also compiled_layers (this rank's layers that run compiled).
     """
+    from mg_models.compilation import compiled_layers
     from mg_parallel.precision import PRECISION_NAMES, Precision
 
     inner = [getattr(chunk, "module", chunk) for chunk in run.model]
@@ -135,6 +137,7 @@ def effective_settings(run: Any) -> dict[str, Any]:
         **({"cp": ctx.cp_size, "cp_comm": ctx.cp_comm} if ctx.cp_size > 1 else {}),
         **({"fsdp": True, "fsdp_shard_size": fsdp.shard_size, "offload_optimizer": fsdp.offload} if fsdp else {}),
         **_expert_settings(run, inner),
+        **({"compiled_layers": sum(compiled_layers(chunk) for chunk in inner)} if run.config.train.compile else {}),
     }
 
 
@@ -188,6 +191,7 @@ def step_record(run: Any, result: Any, peak: Any) -> dict[str, Any]:
         "tflops_per_device": flops_per_device / 1e12, "step_time_s": result.seconds,
         "peak_mem_bytes": peak_memory_bytes(run.grid.device), "skipped": not result.applied,
         "loss_scale": float(run.optimizer.loss_scale) if run.fp16 else None,
+        **({"compile_s": result.compile_seconds} if result.compile_seconds else {}),
     }
 
 

@@ -92,14 +92,18 @@ class StopConditions:
     def __init__(self, flag: SignalFlag, grid: Any, exit_after_minutes: float | None) -> None:
         self.flag, self.grid = flag, grid
         self.deadline = None if exit_after_minutes is None else time.monotonic() + 60 * exit_after_minutes
+        # The ranks agree on the host (gloo, a CPU tensor), so the check never waits for an accelerator's queue.
+        self.group = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # collective: every rank builds its StopConditions here
 
     def check(self) -> StopDecision:
-        """One all-reduce: the strongest request of any rank, its signal, and the time limit."""
+        """One all-reduce on the host: the strongest request of any rank, its signal, and the time limit."""
         timed_out = self.deadline is not None and time.monotonic() > self.deadline
         values = [float(self.flag.request), float(self.flag.signum), float(timed_out)]
         if dist.is_initialized():
-            t = torch.tensor(values, device=self.grid.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = torch.tensor(values)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             values = t.tolist()
         request, signum, timed = (int(v) for v in values)
         if request == SAVE:

@@ -51,6 +51,10 @@ class Run:
     tokenizer: Any = None
     moe: Any = None
     """``MoEStep``: the MoE layers' per-step bookkeeping (aux-loss scale, expert bias, routing metrics)."""
+    compile_clock: Any = None
+    """``train.compile``: the ``CompileClock`` whose seconds the steps leave out of their time."""
+    interval: Any = None
+    """``StepInterval``: the steps since the last logged one."""
 
     @property
     def num_micro(self) -> int:
@@ -127,6 +131,13 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     from mg_cli.training.moe import MoEStep
 
     run.moe = MoEStep(run)
+    from mg_cli.training.step import StepInterval
+
+    run.interval = StepInterval()
+    if config.train.compile:
+        from mg_cli.training.throughput import CompileClock
+
+        run.compile_clock = CompileClock()
     return run
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,25 +15,49 @@ from mg_cli.training.setup import TrainingError
 
 @dataclass
 class StepResult:
-    """What one optimizer step did, as every rank agrees on it."""
+    """What one optimizer step did, as every rank agrees on it.
+
+    A step that is not logged reads nothing back from the device: ``loss``, ``parts``, ``grad_norm`` and
+    ``seconds`` are filled in only for logged steps (``logged``), the loss staying a device tensor until
+    :func:`check_loss` reads it (before anything is saved).
+    """
 
     iteration: int
-    loss: float
-    """Mean loss of the global batch (the same at every layout)."""
-    parts: dict[str, float]
-    """The loss's logged parts (BERT: ``lm_loss``, ``sop_loss``; T5: ``lm_loss``)."""
     lr: float
     applied: bool
     """False when an fp16 overflow skipped the step (on every rank)."""
-    grad_norm: float | None
-    seconds: float
+    logged: bool = True
+    loss: float | None = None
+    """Mean loss of the global batch (the same at every layout)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """The loss's logged parts (BERT: ``lm_loss``, ``sop_loss``; T5: ``lm_loss``)."""
+    grad_norm: float | None = None
+    seconds: float = 0.0
+    """Mean wall time of the steps since the previous logged one, compilation left out."""
+    compile_seconds: float = 0.0
+    """Time ``torch.compile`` took in those steps (``train.compile``: the first steps, and any recompilation)."""
+    pending_loss: Any = None
+    """An unlogged step's loss, on the device."""
 
 
-def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
+@dataclass
+class StepInterval:
+    """The steps since the last logged one: how many, their wall time, the compile clock when they began."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    compile_mark: float = 0.0
+
+
+def train_step(run: Run, iteration: int, batches: Any, *, log: bool = True) -> StepResult:
     """Forward/backward over one global batch's micro-batches from ``batches`` and one optimizer step.
 
+    With ``log=False`` the step leaves the host free of the device: no value is read back (fp16's overflow
+    check excepted), gradients are clipped by a factor computed on the device, and its time is added to the
+    interval the next logged step reports the mean of.
+
     Raises:
-        TrainingError: a non-finite loss with fp32/bf16 (fp16 skips the step instead).
+        TrainingError: a non-finite loss with fp32/bf16 at a logged step (fp16 skips the step instead).
     """
     from mg_parallel.pipeline import average_losses
 
@@ -41,6 +65,9 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
     lr = run.schedule(iteration)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    interval = run.interval
+    if interval.steps == 0:
+        interval.compile_mark = run.compile_clock.seconds if run.compile_clock is not None else 0.0
     t0 = time.perf_counter()
     optimizer.zero_grad()
     moe = run.moe
@@ -52,20 +79,41 @@ def train_step(run: Run, iteration: int, batches: Any) -> StepResult:
     finally:
         moe.finish()
     run.saver.wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
-    applied, grad_norm = optimizer.step()
+    applied, grad_norm = optimizer.step(host_sync=False)
+    interval.steps += 1
+    if not log:
+        interval.seconds += time.perf_counter() - t0
+        return StepResult(iteration=iteration, lr=lr, applied=applied, logged=False,
+                          pending_loss=average_losses(losses, grid, host_sync=False))
     loss = float(average_losses(losses, grid))
     parts = {k: float(average_losses(losses, grid, key=k)) for k in run.logged_losses}
     parts.update(moe.metrics())
     if grid.device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    interval.seconds += time.perf_counter() - t0
+    compiled = run.compile_clock.seconds - interval.compile_mark if run.compile_clock is not None else 0.0
+    seconds = max(interval.seconds - compiled, 1e-9) / interval.steps
+    run.interval = StepInterval()
+    result = StepResult(iteration=iteration, lr=lr, applied=applied, loss=loss, parts=parts,
+                        grad_norm=float(grad_norm) if grad_norm is not None else None, seconds=seconds,
+                        compile_seconds=compiled)
+    check_loss(run, result)
+    return result
+
+
+def check_loss(run: Run, result: StepResult) -> None:
+    """Raise if the step's loss is not finite (fp32/bf16; fp16 skips such steps): at every logged step, and before
+    anything is saved after an unlogged one (reading its loss back).
+
+    Raises:
+        TrainingError: naming the iteration and the precision.
+    """
+    loss = result.loss if result.loss is not None else float(result.pending_loss)
     if not math.isfinite(loss) and not run.fp16:
         raise TrainingError(
-            f"loss is {loss} at iteration {iteration} ({run.config.train.precision}); lower optim.lr or check the "
-            f"data. Nothing was saved for this iteration"
+            f"loss is {loss} at iteration {result.iteration} ({run.config.train.precision}); lower optim.lr or check "
+            f"the data. Nothing was saved for this iteration"
         )
-    return StepResult(iteration=iteration, loss=loss, parts=parts, lr=lr, applied=applied,
-                      grad_norm=float(grad_norm) if grad_norm is not None else None, seconds=seconds)
 
 
 def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:

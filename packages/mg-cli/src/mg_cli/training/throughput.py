@@ -26,11 +26,12 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 __all__ = [
-    "PUBLISHED_TFLOPS", "PeakFlops", "device_name", "matmul_speed_vs_fp32", "measure_layout_rates",
+    "PUBLISHED_TFLOPS", "CompileClock", "PeakFlops", "device_name", "matmul_speed_vs_fp32", "measure_layout_rates",
     "measure_matmul_peak", "peak_flops", "published_part", "published_peak", "slower_than_fp32_note",
 ]
 
@@ -264,3 +265,26 @@ def slower_than_fp32_note(precision: str, dtype: torch.dtype, device: torch.devi
         return None
     return (f"train.precision={precision}: {precision} matmuls run {ratio:.2g}x fp32 on this "
             f"{device_name(device)}; fp32 would be faster")
+
+
+class CompileClock:
+    """Wall seconds this process spent in ``torch.compile`` (tracing and code generation, the lazily compiled
+    backward included), from torch's compilation start and end callbacks; ``seconds`` only grows."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started: float | None = None
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:  # a torch without the callbacks: compile time is counted as step time
+            return
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def _start(self, _: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, _: Any) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None

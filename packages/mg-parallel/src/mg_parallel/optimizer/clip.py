@@ -51,9 +51,11 @@ def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: b
 
 
 def global_grad_norm(
-    grads: list[torch.Tensor], counted: list[bool], grid: ProcessGrid, *, sharded_over_dp: bool
-) -> float:
-    """L2 norm of all gradients of the model, over every rank (a collective on every rank).
+    grads: list[torch.Tensor], counted: list[bool], grid: ProcessGrid, *, sharded_over_dp: bool,
+    host_sync: bool = True,
+) -> float | torch.Tensor:
+    """L2 norm of all gradients of the model, over every rank (a collective on every rank): a float, or with
+    ``host_sync=False`` a 0-dim fp32 tensor on the device (no wait for the device).
 
     Args:
         grads: this rank's (fp32) gradient tensors or pieces.
@@ -72,11 +74,21 @@ def global_grad_norm(
             dist.all_reduce(total)
         elif grid.model_parallel_group is not None:
             dist.all_reduce(total, group=grid.model_parallel_group)
-    return float(total.sqrt())
+    norm = total.sqrt()
+    return float(norm) if host_sync else norm
 
 
-def clip_grads(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule)."""
+def clip_grads(grads: list[torch.Tensor], total_norm: float | torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's rule).
+
+    A tensor ``total_norm`` stays on the device: the factor is computed there and every gradient is scaled
+    by it (by 1.0 when the norm is within ``max_norm``, which changes nothing), as ``clip_grad_norm_`` does.
+    """
+    if isinstance(total_norm, torch.Tensor):
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for dev_grads in group_by_device(grads).values():
+            torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
+        return
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         for dev_grads in group_by_device(grads).values():

@@ -177,10 +177,15 @@ class MegatronStyleOptimizer:
         return sum(t.numel() * t.element_size() for t in self._main_shards + self._moments)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float]:
+    def step(self, *, host_sync: bool = True) -> tuple[bool, float | torch.Tensor]:
         """Unscale, check overflow (fp16), clip, AdamW-update, copy to the model and all-gather.
 
         Call after ``finalize_model_grads``. Collective over every rank.
+
+        Args:
+            host_sync: False keeps the step on the device: ``grad_norm`` comes back as a 0-dim tensor and
+                clipping scales by a factor computed there. Only fp16's overflow check reads a value back
+                (whether every rank skips the step).
 
         Returns:
             ``(applied, grad_norm)``: ``applied`` is False when an fp16 overflow was found on any
@@ -204,7 +209,8 @@ class MegatronStyleOptimizer:
             if overflow:
                 self._release_grads()
                 return False, math.inf
-        norm = global_grad_norm(grads, [p.counted for p in self.pieces], self.grid, sharded_over_dp=self.sharded)
+        norm = global_grad_norm(grads, [p.counted for p in self.pieces], self.grid, sharded_over_dp=self.sharded,
+                                host_sync=host_sync)
         if self.config.clip_grad > 0:
             clip_grads(grads, norm, self.config.clip_grad)
         self.step_count += 1

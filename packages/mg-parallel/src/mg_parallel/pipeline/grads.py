@@ -81,12 +81,14 @@ def _sum_tagged_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid, tag:
             p.grad = g
 
 
-def average_losses(losses: Sequence[dict[str, Any]], grid: ProcessGrid, key: str = "loss") -> float:
+def average_losses(losses: Sequence[dict[str, Any]], grid: ProcessGrid, key: str = "loss", *,
+                   host_sync: bool = True) -> float | torch.Tensor:
     """The mean of ``key`` over the microbatches and data-parallel replicas, on every rank.
 
     ``losses`` is what a schedule returned (non-empty on the last pipeline stage only). The
     last stage's mean is broadcast along the pipeline and averaged over ``grid.dp_cp_group``,
-    so every rank, including the logger on global rank 0, reports the same number.
+    so every rank, including the logger on global rank 0, reports the same number; with
+    ``host_sync=False`` as a 0-dim float64 tensor on the device, read by nobody yet.
     Collective: call it on every rank.
 
     Raises:
@@ -96,10 +98,12 @@ def average_losses(losses: Sequence[dict[str, Any]], grid: ProcessGrid, key: str
     if grid.is_last_stage:
         if not losses:
             raise ValueError("average_losses: the last pipeline stage has no microbatch losses to average")
-        value += sum(float(item[key]) for item in losses) / len(losses)
+        # Summed on the device: no host read per micro-batch.
+        value += torch.stack([torch.as_tensor(item[key], dtype=torch.float64, device=grid.device).reshape(())
+                              for item in losses]).sum() / len(losses)
     if grid.pp_group is not None and grid.pp_size > 1:
         dist.broadcast(value, src=grid.pp_ranks[-1], group=grid.pp_group)
     if grid.dp_cp_group is not None and grid.dp_size * grid.cp_size > 1:
         dist.all_reduce(value, group=grid.dp_cp_group)
         value /= grid.dp_size * grid.cp_size
-    return float(value.item())
+    return float(value.item()) if host_sync else value[0]
