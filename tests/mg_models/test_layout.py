@@ -71,6 +71,7 @@ def tp_worker(name: str) -> dict[str, object]:
         res["grads"] = {n: _full(p.grad, p, grid.tp_group) for n, p in model.named_parameters()}
         res["sp_marked"] = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
         out[f"sp={sp}"] = res
+    out["chunked"] = {chunk: _mean_loss_grads(name, chunk, grid, sequence_parallel=True) for chunk in (None, 5)}
     stage0 = GPTModel(config, grid, pre_process=True, post_process=False, layer_range=(0, 1), seed=SEED,
                       sequence_parallel=True)
     stage1 = GPTModel(config, grid, pre_process=False, post_process=True, layer_range=(1, 2), seed=SEED,
@@ -108,7 +109,42 @@ def test_tp_and_sequence_parallel_match_single_process(name):
         marked = rank_out["sp=True"]["sp_marked"]
         assert any("input_layernorm" in n for n in marked) and any("final_layernorm" in n for n in marked)
         torch.testing.assert_close(rank_out["pipeline_logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+        _assert_same_loss_and_grads(rank_out["chunked"][5], rank_out["chunked"][None])
         assert "num_query_groups=1" in rank_out["bad_tp"] and "parallel.tp=2" in rank_out["bad_tp"]
+
+
+def _mean_loss_grads(name: str, chunk: int | None, grid: ProcessGrid, sequence_parallel: bool = False) -> dict:
+    """Per-token loss and the full gradient of every parameter of the mean loss, with
+    model.cross_entropy_chunk_tokens=chunk."""
+    from mg_parallel.tensor_parallel import allreduce_sequence_parallel_grads
+
+    config = GPTConfig(**CONFIGS[name], cross_entropy_chunk_tokens=chunk)
+    model = GPTModel(config, grid, sequence_parallel=sequence_parallel, seed=SEED)
+    ids, labels = _batch()
+    loss = model(ids, labels=labels)
+    loss.mean().backward()
+    if grid.tp_size == 1:
+        return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+    allreduce_sequence_parallel_grads(model, grid.tp_group)
+    return {"loss": loss.detach(), "grads": {n: _full(p.grad, p, grid.tp_group) for n, p in model.named_parameters()}}
+
+
+def _assert_same_loss_and_grads(got: dict, want: dict) -> None:
+    """The chunked loss equals the whole-logits one: per-token loss and every parameter's gradient within 1e-6."""
+    torch.testing.assert_close(got["loss"], want["loss"], atol=1e-6, rtol=1e-6)
+    assert set(got["grads"]) == set(want["grads"])
+    for n, g in want["grads"].items():
+        torch.testing.assert_close(got["grads"][n], g, atol=1e-6, rtol=1e-6, msg=f"grad {n}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_chunked_cross_entropy_matches_whole_logits(name):
+    """model.cross_entropy_chunk_tokens=5 (S*B = 16 tokens: no multiple) gives the per-token loss and parameter
+    gradients of the whole-logits path (tied and untied heads); tp=2 with sequence parallelism runs in
+    tp_worker."""
+    chunked, whole = (_mean_loss_grads(name, chunk, ProcessGrid.single()) for chunk in (5, None))
+    assert chunked["loss"].shape == (B, S) and (chunked["loss"][0, :2] == 0).all()
+    _assert_same_loss_and_grads(chunked, whole)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -148,6 +184,8 @@ def test_bad_configs_name_the_fields():
         check_parallel(GPTConfig(**base), tp=8)
     with pytest.raises(ValueError, match="position_embedding"):
         GPTConfig(**{**base, "position_embedding": "alibi"})
+    with pytest.raises(ValueError, match="model.cross_entropy_chunk_tokens"):
+        GPTConfig(**{**base, "cross_entropy_chunk_tokens": 0})
     with pytest.raises(ValueError, match="layer_range"):
         GPTModel(GPTConfig(**base), layer_range=(1, 5))
 

@@ -87,8 +87,9 @@ class BertConfig(GPTConfig):
             raise ValueError(f"model.activation={self.activation!r}: BERT supports 'gelu' or 'gelu_tanh'")
         if not self.tie_word_embeddings:
             raise ValueError("model.tie_word_embeddings=False: BERT's MLM decoder is tied to the word embeddings")
-        if self.sliding_window is not None or self.qk_layernorm:
-            raise ValueError("model.sliding_window and model.qk_layernorm are not used by BERT; leave them unset")
+        if self.sliding_window is not None or self.qk_layernorm or self.cross_entropy_chunk_tokens is not None:
+            raise ValueError("model.sliding_window, model.qk_layernorm and model.cross_entropy_chunk_tokens are not "
+                             "used by BERT; leave them unset")
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
             raise ValueError(f"model.type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
         if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:

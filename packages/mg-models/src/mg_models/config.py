@@ -123,6 +123,9 @@ class GPTConfig(ModelConfigBase):
     and BERT's add_binary_head have no effect."""
     num_labels: int = 2
     """Classes of the classification head (1 = regression, trained with a squared-error loss); unused by "lm"."""
+    cross_entropy_chunk_tokens: int | None = None
+    """None: the LM loss from the whole [tokens, vocab] logits at once; an int: the output projection and the loss in
+    chunks of this many tokens (logits recomputed in backward), for large vocabularies."""
     num_experts: int | None = None
     """Experts of each mixture-of-experts layer (an mg_parallel.moe.MoELayer in place of the MLP); None: a dense
     model (no moe_* field may then be set)."""
@@ -164,7 +167,8 @@ class GPTConfig(ModelConfigBase):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "sliding_window"):
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "sliding_window",
+                     "cross_entropy_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"model.{name} must be a positive integer or None, got {value!r}")

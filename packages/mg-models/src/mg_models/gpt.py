@@ -32,6 +32,7 @@ from mg_models.transformer import TransformerBlock
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
     VocabParallelEmbedding,
+    chunked_vocab_parallel_cross_entropy,
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
@@ -98,12 +99,24 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(shard.to(device=ctx.device, dtype=ctx.dtype or torch.float32))
             set_tensor_parallel(self.weight, 0)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden [s(/tp), b, h] -> the whole sequence [s, b, h] on every tp rank (its grad summed over tp)."""
         if self.ctx.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
-        else:
-            x = copy_to_tp_region(x, self.ctx.tp_group)
-        return F.linear(x, self.weight if weight is None else weight)
+            return gather_from_sequence_parallel_region(x, self.ctx.tp_group)
+        return copy_to_tp_region(x, self.ctx.tp_group)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(self._enter_tp(x), self.weight if weight is None else weight)
+
+    def chunked_loss(self, x: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token loss [s, b] (fp32) of hidden [s(/tp), b, h] against labels [s, b] (-100 = ignore), projecting
+        ``config.cross_entropy_chunk_tokens`` tokens at a time (see
+        :func:`~mg_parallel.tensor_parallel.chunked_vocab_parallel_cross_entropy`); equals the loss of
+        ``forward``'s logits."""
+        c = self.ctx.config
+        return chunked_vocab_parallel_cross_entropy(
+            self._enter_tp(x), self.weight if weight is None else weight, labels, tp_group=self.ctx.tp_group,
+            vocab_size=c.vocab_size, chunk_tokens=c.cross_entropy_chunk_tokens)
 
 
 def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: torch.Tensor | None,
@@ -264,9 +277,10 @@ class GPTModel(PipelineStageModel):
             position_ids: [b, s]; default ``offset + arange(s)``, from ``attention_mask`` (left padding), or
                 restarting at 0 per document of ``document_ids``.
             labels: LM head: target ids [b, s] (-100 = ignore); the last stage returns the per-token loss
-                [b, s] (fp32; padded vocabulary masked out). Classification head: class ids [b] (or float
-                targets, see :func:`~mg_models.heads.classification_loss`); the last stage returns the
-                per-sample loss [b].
+                [b, s] (fp32; padded vocabulary masked out; with ``config.cross_entropy_chunk_tokens`` and no
+                output_mask or last_token_only, projected and reduced that many tokens at a time).
+                Classification head: class ids [b] (or float targets, see
+                :func:`~mg_models.heads.classification_loss`); the last stage returns the per-sample loss [b].
             attention_mask: [b, offset + s] with 1 for real tokens and 0 for padding; None = no padding.
             document_ids: [b, offset + s] document of each token of packed sequences (contiguous runs of
                 equal ids): a token attends only to earlier tokens of its own document.
@@ -328,6 +342,8 @@ class GPTModel(PipelineStageModel):
             return classification_loss(logits, labels) if labels is not None else logits
         weight = self.embedding.word_embeddings.weight if not hasattr(self.output_layer, "weight") else None
         picked = output_mask is not None
+        if labels is not None and c.cross_entropy_chunk_tokens is not None and not picked and not last_token_only:
+            return self.output_layer.chunked_loss(x, labels.t(), weight).t()  # [b, s]
         if picked:
             _check_output_mask(output_mask, b, s, last_token_only)
         if last_token_only and not self.ctx.sequence_parallel:

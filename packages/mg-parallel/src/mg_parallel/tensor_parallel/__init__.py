@@ -4,7 +4,10 @@ See ``packages/mg-parallel/README.md`` ("Tensor and sequence parallelism") for a
 parallelising your own model with these layers.
 """
 
-from mg_parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mg_parallel.tensor_parallel.cross_entropy import (
+    chunked_vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
 from mg_parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     InitMethod,
@@ -44,6 +47,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
+    "chunked_vocab_parallel_cross_entropy",
     "copy_to_tp_region",
     "divide",
     "gather_from_sequence_parallel_region",
