@@ -15,6 +15,7 @@ from tests.e2e.conftest import (
     iteration_records,
     mg,
     read_checkpoint,
+    read_metrics,
     tiny_args,
 )
 
@@ -33,6 +34,11 @@ def test_compiled_layers_train_as_eager(case, corpus, layout_runs, tmp_path):
                      *sets, "train.compile=true")
     out = mg(*args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])).stdout
     assert_reports_settings(tmp_path / "log", out, nproc, {**BASE_SETTINGS, **expected, "compiled_layers": 4})
+    # The kernels the step picks on this CPU (fused AdamW, SDPA's flash kernel for plain causal attention) and the
+    # compiled layers, named in the start output and the start record.
+    paths = {"adamw": "fused", "attention": "sdpa:flash", "norm": "F.layer_norm", "compile": "4 layers"}
+    assert "paths: adamw=fused attention=sdpa:flash norm=F.layer_norm compile=4 layers" in out, out[:3000]
+    assert read_metrics(tmp_path / "log")[0]["paths"] == paths
     records = iteration_records(tmp_path / "log")
     assert_same_training(records, iteration_records(ref_log), f"compiled {case}")
     assert_same_parameters(read_checkpoint(tmp_path / "ckpt" / "iter_0000020", "model/"),

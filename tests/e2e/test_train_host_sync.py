@@ -33,7 +33,6 @@ def reads(monkeypatch):
 
 def test_unlogged_steps_read_nothing_back(corpus, tmp_path, reads):
     from mg_ckpt import CheckpointSaver
-
     from mg_cli.training.loop import preflight
     from mg_cli.training.run import build_run
     from mg_cli.training.setup import Env

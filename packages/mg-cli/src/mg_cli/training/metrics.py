@@ -141,6 +141,41 @@ def effective_settings(run: Any) -> dict[str, Any]:
     }
 
 
+_SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+
+
+def fast_paths(run: Any) -> dict[str, str]:
+    """The kernels this run's step picks on its device: ``adamw`` (fused or foreach), ``attention`` (the
+    ``scaled_dot_product_attention`` kernel torch chooses for this model's head size, dtype, mask and dropout;
+    context parallelism names its comm), ``norm`` and ``compile``."""
+    import torch
+
+    from mg_models.compilation import compiled_layers
+    from mg_parallel.optimizer.adamw import fused_adamw_supported
+
+    cfg, config, device = run.model_config, run.config, run.grid.device
+    inner = [getattr(chunk, "module", chunk) for chunk in run.model]
+    main_dtype = torch.float32
+    paths = {"adamw": "fused" if fused_adamw_supported(device, main_dtype) else "foreach"}
+    if run.grid.cp_size > 1:
+        paths["attention"] = f"context_parallel:{config.parallel.cp_comm}"
+    else:
+        heads = (getattr(cfg, "head_dim", None) or getattr(cfg, "kv_channels", None)
+                 or cfg.hidden_size // cfg.num_attention_heads)
+        q = torch.zeros(1, 1, 8, heads, dtype=run.dtype, device=device)
+        plain = config.model.type == "gpt" and config.data.format == "pretrain" and not getattr(cfg, "sliding_window",
+                                                                                                None)
+        mask = None if plain else torch.ones(8, 8, dtype=torch.bool, device=device)
+        dropout = float(getattr(cfg, "attention_dropout", None) or getattr(cfg, "dropout", 0.0) or 0.0)
+        choice = int(torch._fused_sdp_choice(q, q, q, mask, dropout, plain))
+        paths["attention"] = "sdpa:" + _SDPA_KERNELS.get(choice, str(choice))
+    norm = getattr(cfg, "normalization", "rmsnorm" if config.model.type == "t5" else "layernorm")
+    paths["norm"] = ("F.rms_norm" if device.type == "cuda" else "composite") if norm == "rmsnorm" else "F.layer_norm"
+    compiled = sum(compiled_layers(chunk) for chunk in inner)
+    paths["compile"] = f"{compiled} layers" if compiled else "off"
+    return paths
+
+
 def _expert_settings(run: Any, inner: list[Any]) -> dict[str, Any]:
     """MoE models: ep, etp and how this rank computes its experts (``grouped_mm`` or ``loop``; ``none`` on a
     pipeline stage without MoE layers)."""
@@ -168,6 +203,11 @@ def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
     logger.message(f"mg train: {run.env.world_size} processes, "
                    + " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
                    + (f", resuming at iteration {run.start_iter + 1}" if run.start_iter else ""))
+    paths = fast_paths(run)
+    logger.message("paths: " + " ".join(f"{k}={v}" for k, v in paths.items()))
+    if run.grid.device.type == "cuda" and paths.get("attention") == "sdpa:math":
+        logger.message("attention runs torch's math kernel (this mask with dropout, or a head size the fused "
+                       "kernels do not take): slower, and memory quadratic in the sequence length")
     if run.init_report is not None:
         logger.message(run.init_report)
     slower = slower_than_fp32_note(config.train.precision, run.dtype, run.grid.device)
@@ -175,7 +215,7 @@ def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
         logger.message(slower)
     logger.message("resolved config:\n" + config.to_yaml().rstrip())
     logger.record({"iteration": run.start_iter, "event": "start", "processes": run.env.world_size,
-                   "settings": settings, "mfu_peak_tflops_per_device": peak.flops_per_s / 1e12,
+                   "settings": settings, "paths": paths, "mfu_peak_tflops_per_device": peak.flops_per_s / 1e12,
                    "mfu_peak_source": peak.source})
 
 
