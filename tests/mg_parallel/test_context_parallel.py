@@ -174,6 +174,11 @@ def test_masks_and_kernel_names():
     assert block_attention_impl("cpu", torch.float32, "causal") == "flash-cpu"
     assert block_attention_impl("cpu", torch.float32, "masked") == "flash-cpu"
     assert block_attention_impl("cpu", torch.float64, "causal") == "reference"
+    # CUDA's flash kernel serves unmasked bf16 blocks once its probe against the reference passed on the device;
+    # without a GPU (or if the probe fails) the reference does, and masked blocks always use it.
+    assert block_attention_impl("cuda", torch.bfloat16, "causal") == ("flash-cuda" if torch.cuda.is_available()
+                                                                      else "reference")
+    assert block_attention_impl("cuda", torch.bfloat16, "masked") == "reference"
 
 
 def test_ring_steps_are_balanced_and_windows_skip_blocks():

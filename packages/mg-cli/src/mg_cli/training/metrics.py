@@ -147,7 +147,7 @@ _SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 def fast_paths(run: Any) -> dict[str, str]:
     """The kernels this run's step picks on its device: ``adamw`` (fused or foreach), ``attention`` (the
     ``scaled_dot_product_attention`` kernel torch chooses for this model's head size, dtype, mask and dropout;
-    context parallelism names its comm), ``norm`` and ``compile``."""
+    context parallelism names its comm and block kernel), ``norm`` and ``compile``."""
     import torch
 
     from mg_models.compilation import compiled_layers
@@ -157,11 +157,15 @@ def fast_paths(run: Any) -> dict[str, str]:
     inner = [getattr(chunk, "module", chunk) for chunk in run.model]
     main_dtype = torch.float32
     paths = {"adamw": "fused" if fused_adamw_supported(device, main_dtype) else "foreach"}
-    if run.grid.cp_size > 1:
-        paths["attention"] = f"context_parallel:{config.parallel.cp_comm}"
+    heads = (getattr(cfg, "head_dim", None) or getattr(cfg, "kv_channels", None)
+             or cfg.hidden_size // cfg.num_attention_heads)
+    if run.grid.cp_size > 1:  # the blocks' kernel (a2a runs SDPA on the whole sequence of its heads)
+        from mg_parallel.context_parallel import block_attention_impl
+
+        kernel = "sdpa" if config.parallel.cp_comm == "a2a" else block_attention_impl(device, run.dtype, "causal",
+                                                                                      heads)
+        paths["attention"] = f"context_parallel:{config.parallel.cp_comm}:{kernel}"
     else:
-        heads = (getattr(cfg, "head_dim", None) or getattr(cfg, "kv_channels", None)
-                 or cfg.hidden_size // cfg.num_attention_heads)
         q = torch.zeros(1, 1, 8, heads, dtype=run.dtype, device=device)
         plain = config.model.type == "gpt" and config.data.format == "pretrain" and not getattr(cfg, "sliding_window",
                                                                                                 None)

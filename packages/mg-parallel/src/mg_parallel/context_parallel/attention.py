@@ -101,7 +101,7 @@ def context_parallel_attention(
         document_ids: ``[b, s/cp]`` integer id per token of this rank's part (split like the tokens);
             attention stays within a document (packed sequences). None: one document.
         scale: softmax scale, default ``1 / sqrt(d)``.
-        impl: per-block kernel of ``"p2p"`` and ``"allgather"`` (``"flash-cpu"`` or ``"reference"``;
+        impl: per-block kernel of ``"p2p"`` and ``"allgather"`` (``"flash-cpu"``, ``"flash-cuda"`` or ``"reference"``;
             default: chosen by :func:`block_attention_impl`). Ignored by ``"a2a"``, which calls SDPA.
 
     Returns:
@@ -119,8 +119,9 @@ def context_parallel_attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be >= 1 token (or None), got {window}")
-    if impl not in (None, "flash-cpu", "reference"):
-        raise ValueError(f"impl={impl!r} is not a block kernel; use None (automatic), 'flash-cpu' or 'reference'")
+    if impl not in (None, "flash-cpu", "flash-cuda", "reference"):
+        raise ValueError(f"impl={impl!r} is not a block kernel; use None (automatic), 'flash-cpu', 'flash-cuda' or "
+                         f"'reference'")
     if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"document_ids must be [b, s/cp] = {[q.shape[0], q.shape[2]]}, got "
                          f"{list(document_ids.shape)}")

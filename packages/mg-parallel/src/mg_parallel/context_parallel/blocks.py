@@ -21,8 +21,11 @@ Implementations (:func:`block_attention_impl` names the one chosen):
 * ``"flash-cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which
   return the log-sum-exp; used on the CPU. A ``"masked"`` block passes its mask as an additive
   ``-inf`` bias; the kernel reports ``lse = 0`` for a row that sees no key, which is set to ``-inf``.
-* ``"reference"``: plain torch in fp32 (scores materialised); used on devices without a kernel
-  exposing the log-sum-exp (CUDA included: its flash kernel is not wired here yet).
+* ``"flash-cuda"``: ``aten._scaled_dot_product_flash_attention`` and its backward on CUDA, for
+  ``"full"`` and ``"causal"`` blocks in fp16/bf16 (the kernel takes no mask). It is used only after a
+  probe on the device (a small block through both kernels, outputs, log-sum-exp and gradients compared
+  with ``"reference"``) passed for that dtype and head size; otherwise the reference is used.
+* ``"reference"``: plain torch in fp32 (scores materialised); used for everything else.
 """
 
 from __future__ import annotations
@@ -37,15 +40,58 @@ __all__ = ["attend_blocks", "attend_blocks_backward", "block_attention_impl", "b
 _NEG_INF = float("-inf")
 
 
-def block_attention_impl(device: torch.device | str, dtype: torch.dtype, kind: str = "causal") -> str:
+def block_attention_impl(device: torch.device | str, dtype: torch.dtype, kind: str = "causal",
+                         head_dim: int = 64) -> str:
     """Name of the per-block attention used for ``kind`` blocks on ``device`` in ``dtype``.
 
-    ``"flash-cpu"`` or ``"reference"`` (see the module docstring); print it on a start line.
+    ``"flash-cpu"``, ``"flash-cuda"`` or ``"reference"`` (see the module docstring); print it on a start line.
     """
-    del kind  # every kind has the same kernel today; kept so a future kernel can differ per kind
-    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+    device = torch.device(device)
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "flash-cpu"
+    if (device.type == "cuda" and kind in ("full", "causal") and dtype in (torch.bfloat16, torch.float16)
+            and _flash_cuda_works(device, dtype, head_dim)):
+        return "flash-cuda"
     return "reference"
+
+
+_FLASH_CUDA_OK: dict[tuple[str, torch.dtype, int], bool] = {}
+_FLASH_CUDA_EMPTY: dict[tuple[str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+
+def _flash_cuda_placeholders(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """What the CUDA flash forward returns for a dense batch without dropout (sequence offsets, RNG state), the
+    same for every call: its backward takes them back. Blocks keep no per-block state, so they are taken once
+    from a small forward."""
+    key = (str(device), dtype)
+    if key not in _FLASH_CUDA_EMPTY:
+        x = torch.zeros(1, 1, 8, 8, dtype=dtype, device=device)
+        outs = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+        _FLASH_CUDA_EMPTY[key] = (outs[2], outs[3], outs[6], outs[7])
+    return _FLASH_CUDA_EMPTY[key]
+
+
+def _flash_cuda_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the CUDA flash kernel gives the reference's block results here (probed once per dtype and head
+    size, on a 2 x 64-token block of each kind; 2% tolerance, the kernel computing in ``dtype``)."""
+    key = (str(device), dtype, head_dim)
+    if key not in _FLASH_CUDA_OK:
+        ok = True
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, k, v, dout = (torch.randn(1, 2, 64, head_dim, device=device, generator=gen).to(dtype) for _ in range(4))
+            for kind in ("full", "causal"):
+                got = block_forward(q, k, v, kind=kind, mask=None, scale=head_dim ** -0.5, impl="flash-cuda")
+                want = block_forward(q, k, v, kind=kind, mask=None, scale=head_dim ** -0.5, impl="reference")
+                delta = (dout.float() * want[0]).sum(-1)
+                grads = [block_backward(dout, q, k, v, want[0].to(dtype), want[1], delta, kind=kind, mask=None,
+                                        scale=head_dim ** -0.5, impl=impl) for impl in ("flash-cuda", "reference")]
+                pairs = [*zip(got, want), *zip(*grads)]
+                ok = ok and all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in pairs)
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _FLASH_CUDA_OK[key] = ok
+    return _FLASH_CUDA_OK[key]
 
 
 def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -97,8 +143,12 @@ def block_forward(
         ``(out, lse)``: ``out [b, hq, sq, d]`` fp32 and ``lse [b, hq, sq]`` fp32 (``-inf`` for rows
         that see no key).
     """
-    impl = impl or block_attention_impl(q.device, q.dtype, kind)
+    impl = impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
+    if impl == "flash-cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, kind == "causal", False, scale=scale)[:2]
+        return out.float(), lse.float()
     if impl == "flash-cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, kind == "causal",
@@ -130,8 +180,15 @@ def block_backward(
     Returns:
         ``(dq, dk, dv)`` in fp32, shaped like ``q``, ``k``, ``v``: this block's contributions.
     """
-    impl = impl or block_attention_impl(q.device, q.dtype, kind)
+    impl = impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
+    if impl == "flash-cuda":
+        cum_q, cum_k, seed, offset = _flash_cuda_placeholders(q.device, q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.to(q.dtype).contiguous(), q, _expand_kv(k, groups), _expand_kv(v, groups),
+            out.to(q.dtype).contiguous(), lse.contiguous(), cum_q, cum_k, q.shape[2], k.shape[2], 0.0,
+            kind == "causal", seed, offset, scale=scale)
+        return dq.float(), _reduce_kv(dk.float(), groups), _reduce_kv(dv.float(), groups)
     if impl == "flash-cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, _expand_kv(k, groups), _expand_kv(v, groups), out.to(q.dtype), lse, 0.0,
