@@ -100,7 +100,7 @@ def test_cp2_matches_one_process(name, packed):
 
 
 def unsupported_worker() -> list[str]:
-    """What a cp=2 GPT refuses, as the messages it raises."""
+    """What a cp=2 GPT with a2a refuses, as the messages it raises."""
     torch.set_num_threads(1)
     grid = build_grid(ParallelDims(cp=2, cp_comm="a2a"))
     messages = []
@@ -121,7 +121,7 @@ def unsupported_worker() -> list[str]:
 def test_cp2_rejects_what_it_cannot_do():
     messages = run_distributed(unsupported_worker, 2)[0]
     assert len(messages) == 3, messages
-    assert "model.attention_dropout" in messages[0] and "parallel.cp=2" in messages[0]
+    assert "model.attention_dropout" in messages[0] and "parallel.cp_comm=a2a" in messages[0]  # a2a: no dropout
     assert "parallel.cp_comm=a2a" in messages[1] and "model.num_attention_heads" in messages[1]
     assert "attention_mask" in messages[2] and "parallel.cp" in messages[2]
 

@@ -23,6 +23,7 @@ from mg_parallel.context_parallel import (
     split_for_cp,
     unsplit_from_cp,
 )
+from mg_parallel.context_parallel.dropout import dropout_keep_mask
 from mg_parallel.grid import ParallelDims, build_grid
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -30,8 +31,10 @@ B, D = 2, 8
 WORLD = 4
 
 
-def _reference(q, k, v, causal, window, docs, scale):
-    """Masked softmax written out on the full sequence: [b, hq, s, d]."""
+def _reference(q, k, v, causal, window, docs, scale, dropout=None):
+    """Masked softmax written out on the full sequence: [b, hq, s, d]; ``dropout=(p, seed)`` drops the
+    probabilities that ``dropout_keep_mask`` (the definition of the masks) drops at global positions and scales
+    the rest by 1/(1-p)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = q.shape[2]
@@ -45,6 +48,10 @@ def _reference(q, k, v, causal, window, docs, scale):
         keep &= docs[:, :, None] == docs[:, None, :]
     scores = (q @ k.transpose(-1, -2)) * scale
     probs = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1)
+    if dropout is not None:
+        p, seed = dropout
+        kept = dropout_keep_mask(seed, p, B, torch.arange(q.shape[1]), torch.arange(s), torch.arange(s))
+        probs = probs * kept / (1 - p)
     return probs @ v
 
 
@@ -66,7 +73,8 @@ def _cases():
     yield dict(causal=True, hq=4, hkv=4, window=3, docs=True)
 
 
-def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32, device="cpu", s=None):
+def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32, device="cpu", s=None,
+                dropout=None):
     """Reference on the CPU; the ranks compute on ``device`` (the grid's: CUDA under NCCL)."""
     s = s or 8 * cp
     hq, hkv, causal, window = case["hq"], case["hkv"], case["causal"], case["window"]
@@ -81,8 +89,9 @@ def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32
     docs = _documents(s, gen) if case["docs"] else None
     scale = 0.3
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = _reference(*full, causal, window, docs, scale)
+    ref = _reference(*full, causal, window, docs, scale, dropout)
     ref.backward(dout)
+    drop = {} if dropout is None else {"dropout_p": dropout[0], "dropout_seed": dropout[1].to(device)}
 
     local = [split_for_cp(t, rank, cp, seq_dim=2).to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     if case.get("strided"):
@@ -90,9 +99,9 @@ def _check_case(group, cp, rank, comm, case, gen, impl=None, dtype=torch.float32
         assert not local[0].is_contiguous()
     local_docs = None if docs is None else split_for_cp(docs, rank, cp, seq_dim=1).to(device)
     out = context_parallel_attention(*local, group=group, comm=comm, causal=causal, window=window,
-                                     document_ids=local_docs, scale=scale, impl=impl)
+                                     document_ids=local_docs, scale=scale, impl=impl, **drop)
     out.backward(split_for_cp(dout, rank, cp, seq_dim=2).to(device, dtype))
-    what = f"cp={cp} rank={rank} comm={comm} impl={impl} {dtype} {case}"
+    what = f"cp={cp} rank={rank} comm={comm} impl={impl} {dtype} {case} dropout={dropout}"
     tol = TOL if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
     assert out.dtype == dtype and all(t.grad.dtype == dtype for t in local)
     assert_close(out.float().cpu(), split_for_cp(ref.detach(), rank, cp, 2), **tol, msg=lambda m: f"{what} out: {m}")
@@ -124,6 +133,10 @@ def _check_all(cp: int) -> int:
                     checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device, s=32 * cp)
     finally:
         plan.MIN_TILE = default_tile
+    dropout = (0.3, torch.tensor(20261202))
+    for comm in ("p2p", "allgather"):  # attention dropout: GQA, a window, documents (bidirectional too)
+        for case in [c for c in _cases() if c["hq"] > c["hkv"] or c["docs"]][:4]:
+            checked += _check_case(group, cp, rank, comm, case, gen, device=grid.device, dropout=dropout)
     for comm in ("p2p", "allgather", "a2a"):  # bf16 inputs: fp32 statistics, bf16 results
         checked += _check_case(group, cp, rank, comm, dict(causal=True, hq=4, hkv=4, window=None, docs=True), gen,
                                dtype=torch.bfloat16, device=grid.device)
@@ -138,7 +151,7 @@ def test_context_parallel_attention_matches_full_sequence(cp):
     counts = run_distributed(_check_all, WORLD, cp)
     a2a = sum(1 for c in _cases() if c["hq"] % cp == 0 and c["hkv"] % cp == 0)  # others check the error
     windows = sum(1 for c in _cases() if c["window"] is not None)
-    expected = 2 * len(list(_cases())) + a2a + 3 + 2 * windows + 3
+    expected = 2 * len(list(_cases())) + a2a + 3 + 2 * windows + 2 * 4 + 3
     assert counts == [expected] * WORLD
 
 
@@ -146,6 +159,26 @@ def test_single_process_is_plain_attention():
     gen = torch.Generator().manual_seed(0)
     for case in _cases():
         assert _check_case(None, 1, 0, "p2p", case, gen) == 1
+        assert _check_case(None, 1, 0, "p2p", case, gen, dropout=(0.3, torch.tensor(7))) == 1
+
+
+def test_dropout_masks_keep_1_minus_p_independently_of_the_layout():
+    """The hashed masks keep 1 - p of the probabilities, independently per element and per seed, and a block's
+    mask is the slice of the whole sequence's at its global positions (what makes every layout drop alike)."""
+    seed, p = torch.tensor(123), 0.3
+    whole = dropout_keep_mask(seed, p, 4, torch.arange(8), torch.arange(256), torch.arange(256))
+    assert abs(whole.float().mean().item() - (1 - p)) < 0.003  # 2M draws: 4 standard deviations is 0.0013
+    other = dropout_keep_mask(torch.tensor(124), p, 4, torch.arange(8), torch.arange(256), torch.arange(256))
+    assert abs((whole == other).float().mean().item() - ((1 - p) ** 2 + p ** 2)) < 0.003  # independent seeds
+    a, b = whole[..., :-1].float(), whole[..., 1:].float()
+    assert abs(((a - a.mean()) * (b - b.mean())).mean().item()) / a.var().item() < 0.01  # neighbours uncorrelated
+    block = dropout_keep_mask(seed, p, 4, torch.arange(2, 5), torch.arange(40, 60), torch.arange(7, 30))
+    assert torch.equal(block, whole[:, 2:5, 40:60, 7:30])
+    with pytest.raises(ValueError, match="cp_comm='a2a'"):
+        context_parallel_attention(*torch.zeros(3, 1, 2, 4, 8), group=None, comm="a2a", dropout_p=0.1,
+                                   dropout_seed=seed)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        context_parallel_attention(*torch.zeros(3, 1, 2, 4, 8), group=None, dropout_p=0.1)
 
 
 def test_chunking_round_trip_and_global_positions():

@@ -306,11 +306,14 @@ class SelfAttention(nn.Module):
     With ``ctx.cp_size > 1`` the rank holds its load-balanced part of the sequence (chunks ``r`` and
     ``2cp-1-r``) and attends to the whole sequence through
     :func:`mg_parallel.context_parallel.context_parallel_attention` over ``ctx.cp_group`` (``ctx.cp_comm``);
-    the mask is then a :class:`ContextParallelMask` or None, and there is no KV cache or attention dropout.
+    the mask is then a :class:`ContextParallelMask` or None, there is no KV cache, and attention dropout
+    keeps the probabilities that a hash of their global coordinates keeps
+    (:mod:`mg_parallel.context_parallel.dropout`; the seed of each call drawn from the tensor-parallel
+    stream, so recomputation replays it).
 
     Raises:
-        ValueError: (construction) context parallelism with attention dropout, or ``cp_comm="a2a"`` with heads
-            or query groups per tp rank not divisible by cp.
+        ValueError: (construction) ``cp_comm="a2a"`` with attention dropout, or with heads or query groups per tp
+            rank not divisible by cp.
     """
 
     def __init__(self, ctx: BuildContext, prefix: str, layer_number: int,
@@ -352,8 +355,13 @@ class SelfAttention(nn.Module):
             from mg_parallel.context_parallel import context_parallel_attention
 
             cp_mask = mask or ContextParallelMask()
+            drop: dict[str, Any] = {}
+            if dropout > 0:  # hashed masks (layout-independent); the seed drawn from this rank's heads' stream
+                with self.ctx.tp_rng():
+                    seed = torch.randint(0, 2**62, (), device=q.device)
+                drop = dict(dropout_p=dropout, dropout_seed=seed, head_offset=self.ctx.tp_rank * self.heads)
             return context_parallel_attention(q, k, v, group=self.ctx.cp_group, comm=self.ctx.cp_comm, causal=True,
-                                              window=cp_mask.window, document_ids=cp_mask.document_ids)
+                                              window=cp_mask.window, document_ids=cp_mask.document_ids, **drop)
         # Attention dropout acts on this rank's heads, so it draws from the per-tp-rank stream.
         with self.ctx.tp_rng() if dropout > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
@@ -412,14 +420,15 @@ def check_context_parallel(config: Any, tp: int, cp: int, comm: str) -> None:
         comm: ``parallel.cp_comm`` (``"a2a"`` splits each tp rank's heads and query groups over cp).
 
     Raises:
-        ValueError: naming the keys: attention dropout (context-parallel attention has none), or ``a2a`` with
-            heads or query groups per tp rank not divisible by cp.
+        ValueError: naming the keys: attention dropout with ``a2a``, or ``a2a`` with heads or query groups per tp
+            rank not divisible by cp.
     """
     if cp == 1:
         return
-    if config.attention_dropout > 0:
-        raise ValueError(f"model.attention_dropout={config.attention_dropout} is not supported with parallel.cp={cp} "
-                         f"(context-parallel attention has no dropout); set it to 0")
+    if config.attention_dropout > 0 and comm == "a2a":
+        raise ValueError(f"model.attention_dropout={config.attention_dropout} is not supported with parallel.cp_comm=a2a "
+                         f"(its heads run SDPA, whose dropout depends on the layout); use parallel.cp_comm: p2p or "
+                         f"allgather, or set it to 0")
     heads, groups = config.num_attention_heads // tp, config.query_groups // tp
     if comm == "a2a" and (heads % cp or groups % cp):
         raise ValueError(

@@ -27,21 +27,21 @@ def _part(x: torch.Tensor, src: int, local_len: int) -> torch.Tensor:
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """``apply(q, k, v, group, plan, scale, impl)``: all-gather attention with the blocks of ``plan``
+    """``apply(q, k, v, group, plan, scale, impl, dropout)``: all-gather attention with the blocks of ``plan``
     (:func:`~mg_parallel.context_parallel.plan.build_plan`); returns ``[b, hq, s/cp, d]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, scale, impl):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, group, plan, scale, impl, dropout=None):  # noqa: ANN001, ANN205
         cp, rank, local_len = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
         kv = gather_seq(torch.stack([k, v]), group, 3)  # [2, b, hkv, s, d], rank order
         out, lse = new_stats(q)
         for i in range(cp):
             src = (rank - i) % cp
             attend_blocks(q, _part(kv[0], src, local_len), _part(kv[1], src, local_len), plan[i], out, lse,
-                          scale=scale, impl=impl)
+                          scale=scale, impl=impl, dropout=dropout)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.plan, ctx.scale, ctx.impl = group, plan, scale, impl
+        ctx.group, ctx.plan, ctx.scale, ctx.impl, ctx.dropout = group, plan, scale, impl, dropout
         return out
 
     @staticmethod
@@ -58,6 +58,6 @@ class AllGatherAttention(torch.autograd.Function):
             k, v = _part(kv[0], src, local_len), _part(kv[1], src, local_len)
             grads = (dq, _part(dkv[0], src, local_len), _part(dkv[1], src, local_len))
             attend_blocks_backward(dout, q, k, v, out, lse, delta, ctx.plan[i], grads, scale=ctx.scale,
-                                   impl=ctx.impl)
+                                   impl=ctx.impl, dropout=ctx.dropout)
         dk, dv = reduce_scatter_seq(dkv, ctx.group, 3).to(kv.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None

@@ -12,6 +12,7 @@ from mg_parallel.context_parallel.allgather import AllGatherAttention
 from mg_parallel.context_parallel.blocks import default_scale
 from mg_parallel.context_parallel.chunking import split_for_cp, unsplit_from_cp
 from mg_parallel.context_parallel.comm import gather_seq, heads_to_seq, seq_to_heads
+from mg_parallel.context_parallel.dropout import AttentionDropout
 from mg_parallel.context_parallel.masks import attention_mask
 from mg_parallel.context_parallel.plan import build_plan
 from mg_parallel.context_parallel.ring import RingAttention
@@ -83,7 +84,8 @@ def _a2a_attention(q, k, v, group, causal, window, docs, scale):  # noqa: ANN001
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None, comm: str = "p2p",
     causal: bool = True, window: int | None = None, document_ids: torch.Tensor | None = None,
-    scale: float | None = None, impl: str | None = None,
+    scale: float | None = None, impl: str | None = None, dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None, head_offset: int = 0,
 ) -> torch.Tensor:
     """Softmax attention over a sequence split across the context-parallel ``group``.
 
@@ -103,13 +105,21 @@ def context_parallel_attention(
         scale: softmax scale, default ``1 / sqrt(d)``.
         impl: per-block kernel of ``"p2p"`` and ``"allgather"`` (``"flash-cpu"``, ``"flash-cuda"`` or ``"reference"``;
             default: chosen by :func:`block_attention_impl`). Ignored by ``"a2a"``, which calls SDPA.
+        dropout_p: attention dropout probability (``"p2p"`` and ``"allgather"``): each probability is kept by a
+            hash of ``(dropout_seed, batch row, global query head, global query and key positions)``
+            (:mod:`~mg_parallel.context_parallel.dropout`), so every layout drops the same ones; the blocks
+            then run the reference kernel.
+        dropout_seed: 0-dim int64 tensor, required with ``dropout_p > 0`` (draw a fresh one per call, e.g. from
+            the tensor-parallel RNG stream, so recomputation replays it).
+        head_offset: global index of this rank's first query head (tensor parallelism splits the heads).
 
     Returns:
-        ``[b, hq, s/cp, d]`` in ``q``'s dtype. No dropout.
+        ``[b, hq, s/cp, d]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: unknown ``comm`` (naming ``parallel.cp_comm``), bad shapes, ``window < 1``, unknown ``impl``, or
-            ``a2a`` with heads not divisible by cp (naming ``parallel.cp`` and the head counts).
+        ValueError: unknown ``comm`` (naming ``parallel.cp_comm``), bad shapes, ``window < 1``, unknown ``impl``,
+            ``a2a`` with heads not divisible by cp (naming ``parallel.cp`` and the head counts), or dropout with
+            ``a2a``, outside ``[0, 1)`` or without a seed.
     """
     check_cp_comm(comm)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -126,7 +136,18 @@ def context_parallel_attention(
         raise ValueError(f"document_ids must be [b, s/cp] = {[q.shape[0], q.shape[2]]}, got "
                          f"{list(document_ids.shape)}")
     scale = default_scale(q.shape[-1], scale)
+    dropout = None
+    if dropout_p:
+        if not 0.0 < dropout_p < 1.0 or dropout_seed is None:
+            raise ValueError(f"attention dropout needs 0 <= dropout_p < 1 and a dropout_seed tensor, got "
+                             f"dropout_p={dropout_p}, dropout_seed={dropout_seed}")
+        if comm == "a2a":
+            raise ValueError("attention dropout is not supported with parallel.cp_comm='a2a' (its heads run SDPA, "
+                             "whose dropout stream depends on the layout); use cp_comm p2p or allgather")
+        dropout = AttentionDropout(float(dropout_p), dropout_seed, head_offset)
     if group is None or dist.get_world_size(group) == 1:
+        if dropout is not None:
+            return _dense_dropout(q, k, v, causal, window, document_ids, scale, dropout)
         return _natural_attention(q, k, v, causal, window, document_ids, scale)
     if q.shape[2] % 2:
         raise ValueError(f"each context-parallel rank holds two equal chunks, so s/cp must be even, got {q.shape[2]}")
@@ -136,4 +157,20 @@ def context_parallel_attention(
     all_docs = None if document_ids is None else gather_seq(document_ids, group, 1)
     plan = build_plan(dist.get_rank(group), dist.get_world_size(group), q.shape[2], causal, window, document_ids,
                       all_docs, q.device)
-    return (RingAttention if comm == "p2p" else AllGatherAttention).apply(q, k, v, group, plan, scale, impl)
+    return (RingAttention if comm == "p2p" else AllGatherAttention).apply(q, k, v, group, plan, scale, impl,
+                                                                          dropout)
+
+
+def _dense_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None,
+                   docs: torch.Tensor | None, scale: float, dropout: AttentionDropout) -> torch.Tensor:
+    # One rank holding the whole sequence in natural order, with the hashed dropout masks: a masked softmax
+    # through autograd (a layout of more ranks runs the ring or the all-gather blocks).
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    pos = torch.arange(q.shape[2], device=q.device)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    mask = attention_mask(pos, pos, causal=causal, window=window, q_doc=docs, k_doc=docs)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = scores.softmax(-1).nan_to_num(0.0) * dropout.scale(q.shape[0], q.shape[1], pos, pos)
+    return (probs @ v.float()).to(q.dtype)

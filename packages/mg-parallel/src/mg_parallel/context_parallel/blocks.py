@@ -25,12 +25,15 @@ Implementations (:func:`block_attention_impl` names the one chosen):
   ``"full"`` and ``"causal"`` blocks in fp16/bf16 (the kernel takes no mask). It is used only after a
   probe on the device (a small block through both kernels, outputs, log-sum-exp and gradients compared
   with ``"reference"``) passed for that dtype and head size; otherwise the reference is used.
-* ``"reference"``: plain torch in fp32 (scores materialised); used for everything else.
+* ``"reference"``: plain torch in fp32 (scores materialised); used for everything else, and for every
+  block under attention dropout (:mod:`~mg_parallel.context_parallel.dropout`: the block's mask is
+  regenerated from global positions, in forward and again in backward).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -135,15 +138,18 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kind: str, mask: torch.Tensor | None, scale: float,
-    impl: str | None = None,
+    impl: str | None = None, drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over ``k, v`` for one block.
+
+    ``drop``: attention dropout's fp32 ``[b, hq, sq, sk]`` factors (``1/(1-p)`` kept, 0 dropped) applied to the
+    probabilities (the reference path); the log-sum-exp is of the undropped scores.
 
     Returns:
         ``(out, lse)``: ``out [b, hq, sq, d]`` fp32 and ``lse [b, hq, sq]`` fp32 (``-inf`` for rows
         that see no key).
     """
-    impl = impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
+    impl = "reference" if drop is not None else impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     if impl == "flash-cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -162,6 +168,8 @@ def block_forward(
     s = _scores(q, k, kind, mask, scale)
     lse = s.logsumexp(-1)
     p = torch.exp(s - _finite(lse)[..., None])
+    if drop is not None:
+        p = p * drop.view(p.shape)
     out = p @ v.float().unsqueeze(2)
     return out.view(b, hq, sq, d), lse.view(b, hq, sq)
 
@@ -169,6 +177,7 @@ def block_forward(
 def block_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, *, kind: str, mask: torch.Tensor | None, scale: float, impl: str | None = None,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the final output and statistics of its query rows.
 
@@ -176,11 +185,12 @@ def block_backward(
         dout, out: ``[b, hq, sq, d]``, the gradient and the *merged* output of these query rows.
         lse: ``[b, hq, sq]`` fp32, the *merged* log-sum-exp (finite for every row).
         delta: ``[b, hq, sq]`` fp32, ``(dout * out).sum(-1)`` (used by the reference path).
+        drop: the forward's dropout factors of this block (see :func:`block_forward`), or None.
 
     Returns:
         ``(dq, dk, dv)`` in fp32, shaped like ``q``, ``k``, ``v``: this block's contributions.
     """
-    impl = impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
+    impl = "reference" if drop is not None else impl or block_attention_impl(q.device, q.dtype, kind, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     if impl == "flash-cuda":
         cum_q, cum_k, seed, offset = _flash_cuda_placeholders(q.device, q.dtype)
@@ -200,8 +210,13 @@ def block_backward(
     s = _scores(q, k, kind, mask, scale)
     p = torch.exp(s - lse.view(b, hkv, groups, sq, 1))  # [b, hkv, g, sq, sk]
     do = dout.float().view(b, hkv, groups, sq, d)
-    dv = (p.transpose(-1, -2) @ do).sum(2)
     dp = do @ v.float().unsqueeze(2).transpose(-1, -2)
+    if drop is None:
+        dv = (p.transpose(-1, -2) @ do).sum(2)
+    else:  # out = (p * drop) @ v: the dropped probabilities carry dV, and dP picks up the factors
+        drop = drop.view(p.shape)
+        dv = ((p * drop).transpose(-1, -2) @ do).sum(2)
+        dp = dp * drop
     ds = p * (dp - delta.view(b, hkv, groups, sq, 1))
     dq = (ds @ k.float().unsqueeze(2)) * scale
     dk = (ds.transpose(-1, -2) @ q.float().view(b, hkv, groups, sq, d)).sum(2) * scale
@@ -220,31 +235,40 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new)
 
 
+def _drop_factors(dropout: Any, q: torch.Tensor, positions: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    # A block's dropout factors from its global positions (None without dropout).
+    if dropout is None:
+        return None
+    return dropout.scale(q.shape[0], q.shape[1], *positions)
+
+
 def attend_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list, out: torch.Tensor, lse: torch.Tensor, *,
-    scale: float, impl: str | None,
+    scale: float, impl: str | None, dropout: Any = None,
 ) -> None:
-    """Attend ``q`` to one K/V block per ``(q slice, k slice, kind, mask builder)`` of ``blocks``
+    """Attend ``q`` to one K/V block per ``(q slice, k slice, kind, mask builder, positions)`` of ``blocks``
     (:data:`~mg_parallel.context_parallel.plan.Block`) and merge each result into the running fp32
-    ``out``, ``lse`` in place."""
-    for qs, ks, kind, build_mask in blocks:
+    ``out``, ``lse`` in place; ``dropout``: an :class:`~mg_parallel.context_parallel.dropout.AttentionDropout`."""
+    for qs, ks, kind, build_mask, positions in blocks:
         mask = None if build_mask is None else build_mask()
-        bo, bl = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind=kind, mask=mask, scale=scale, impl=impl)
+        bo, bl = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind=kind, mask=mask, scale=scale, impl=impl,
+                               drop=_drop_factors(dropout, q, positions))
         merge_into(out[:, :, qs], lse[:, :, qs], bo, bl)
 
 
 def attend_blocks_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, blocks: list, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, scale: float,
-    impl: str | None,
+    impl: str | None, dropout: Any = None,
 ) -> None:
     """Backward of :func:`attend_blocks`: add every block's contributions to the fp32
     ``grads = (dq, dk, dv)`` (shaped like ``q``, ``k``, ``v``) in place."""
     dq, dk, dv = grads
-    for qs, ks, kind, build_mask in blocks:
+    for qs, ks, kind, build_mask, positions in blocks:
         mask = None if build_mask is None else build_mask()
         bdq, bdk, bdv = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                       lse[:, :, qs], delta[:, :, qs], kind=kind, mask=mask, scale=scale, impl=impl)
+                                       lse[:, :, qs], delta[:, :, qs], kind=kind, mask=mask, scale=scale, impl=impl,
+                                       drop=_drop_factors(dropout, q, positions))
         dq[:, :, qs] += bdq
         dk[:, :, ks] += bdk
         dv[:, :, ks] += bdv

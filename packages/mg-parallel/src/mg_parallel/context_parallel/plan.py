@@ -27,9 +27,11 @@ from mg_parallel.context_parallel.masks import attention_mask
 
 __all__ = ["Block", "build_plan", "step_blocks"]
 
-Block = tuple[slice, slice, str, "Callable[[], torch.Tensor] | None"]
-"""``(query slice, key slice, kind, mask builder)``: slices of the local sequence; kind ``"full"``,
-``"causal"`` or ``"masked"``; for ``"masked"``, a function returning the ``[1 or b, sq, sk]`` mask."""
+Block = tuple[slice, slice, str, "Callable[[], torch.Tensor] | None", tuple[torch.Tensor, torch.Tensor]]
+"""``(query slice, key slice, kind, mask builder, (query positions, key positions))``: slices of the local
+sequence; kind ``"full"``, ``"causal"`` or ``"masked"``; for ``"masked"``, a function returning the
+``[1 or b, sq, sk]`` mask; the global positions of the block's queries and keys (attention dropout hashes
+them)."""
 
 
 def _classify(q_start: int, k_start: int, c: int, causal: bool, window: int | None) -> str | None:
@@ -116,7 +118,7 @@ def build_plan(rank: int, cp: int, local_len: int, causal: bool, window: int | N
                 kind = "masked"
                 build = _mask_builder(q_pos[qs], k_pos[ks], causal, window,
                                       None if q_doc is None else q_doc[:, qs], None if k_doc is None else k_doc[:, ks])
-            step.append((qs, ks, kind, build))
+            step.append((qs, ks, kind, build, (q_pos[qs], k_pos[ks])))
         plan.append(step)
     return plan
 

@@ -28,22 +28,23 @@ def new_stats(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RingAttention(torch.autograd.Function):
-    """``apply(q, k, v, group, plan, scale, impl)``: ring attention with the blocks of ``plan``
+    """``apply(q, k, v, group, plan, scale, impl, dropout)``: ring attention with the blocks of ``plan``
     (:func:`~mg_parallel.context_parallel.plan.build_plan`); returns ``[b, hq, s/cp, d]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, scale, impl):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, group, plan, scale, impl, dropout=None):  # noqa: ANN001, ANN205
         cp = dist.get_world_size(group)
         out, lse = new_stats(q)
         kv = [k.contiguous(), v.contiguous()]
         for i in range(cp):
             pending = RingExchange(kv, group, _KV_TAG) if i + 1 < cp else None
-            attend_blocks(q, kv[0], kv[1], plan[i], out, lse, scale=scale, impl=impl)
+            attend_blocks(q, kv[0], kv[1], plan[i], out, lse, scale=scale, impl=impl,
+                          dropout=dropout)
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.plan, ctx.scale, ctx.impl = group, plan, scale, impl
+        ctx.group, ctx.plan, ctx.scale, ctx.impl, ctx.dropout = group, plan, scale, impl, dropout
         return out
 
     @staticmethod
@@ -60,7 +61,7 @@ class RingAttention(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             attend_blocks_backward(dout, q, kv[0], kv[1], out, lse, delta, ctx.plan[i], (dq, dk, dv),
-                                   scale=ctx.scale, impl=ctx.impl)
+                                   scale=ctx.scale, impl=ctx.impl, dropout=ctx.dropout)
             if dkv_pending is not None:  # the accumulators of this block from the ranks before
                 prev_dk, prev_dv = dkv_pending.wait()
                 dk += prev_dk
@@ -69,4 +70,4 @@ class RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv = kv_pending.wait()
         dk, dv = dkv_pending.wait()  # this rank's own block, after a full turn of the ring
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
