@@ -5,7 +5,7 @@ the loss is the masked mean over whole sequences and gradients are averaged over
 gradient norm at every iteration and every parameter after the last one must match the one-process run (the
 ``layout_runs`` reference and fixture of test_train_layouts) within 1e-5, for every cp_comm, with tensor and
 sequence parallelism, with data parallelism and the distributed optimizer, with pipeline stages and full
-recompute, and at cp4. A checkpoint saved at cp2 resumes at cp1 and continues the one-process run. Attention
+recompute, and at cp4. A checkpoint saved at cp2 resumes at cp1 and at cp4 and continues the one-process run. Attention
 dropout drops the same probabilities at cp2 (p2p; allgather with recompute) and cp4.
 """
 
@@ -51,13 +51,16 @@ def test_context_parallel_matches_single_process(layout, layout_runs, reference)
     assert_same_parameters(read_checkpoint(ckpt / "iter_0000020", "model/"), reference[1], layout)
 
 
-def test_cp2_checkpoint_resumes_at_cp1(corpus, layout_runs, reference, tmp_path):  # noqa: F811
-    """Parameters are replicated over cp, so a cp2 checkpoint holds the one-process model: resumed on one process
-    at iteration 10 it continues the one-process run."""
+@pytest.mark.parametrize("cp", [1, 4])
+def test_cp2_checkpoint_resumes_at_cp1_and_cp4(cp, corpus, layout_runs, reference, tmp_path):  # noqa: F811
+    """Parameters are replicated over cp, so a cp2 checkpoint holds the one-process model: resumed at iteration 10
+    on one process, or at cp4, it continues the one-process run."""
     _, ckpt, _ = layout_runs.get(2, LAYOUTS["cp2-p2p"][1])
-    out = mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={ckpt / 'iter_0000010'}")).stdout
+    layout = [] if cp == 1 else [f"parallel.cp={cp}", "--nproc-per-node", str(cp)]
+    out = mg(*tiny_args(corpus, tmp_path, f"checkpoint.load={ckpt / 'iter_0000010'}", *layout)).stdout
     assert ", resuming at iteration 11" in out
-    assert_same_training(iteration_records(tmp_path), {it: reference[0][it] for it in range(11, 21)}, "cp2 -> cp1")
+    assert_same_training(iteration_records(tmp_path), {it: reference[0][it] for it in range(11, 21)},
+                         f"cp2 -> cp{cp}")
 
 
 def test_attention_dropout_drops_the_same_probabilities_at_every_layout(corpus, layout_runs, tmp_path):
