@@ -57,6 +57,9 @@ def test_layout_matches_single_process(layout, layout_runs, reference):
     ref, ref_params = reference
     log, ckpt, out = layout_runs.get(nproc, sets)
     assert_reports_settings(log, out, nproc, {**BASE_SETTINGS, **expected})
+    if expected.get("dp", 1) > 1:  # the paths line names how DDP's reductions (and the optimizer's gathers) run
+        gathers = " param_gather=after_step" if expected.get("distributed_optimizer") else ""
+        assert f"compile=off grad_reduce=overlapped{gathers}\n" in out, out[:3000]
     assert_same_training(iteration_records(log), ref, layout)
     assert_same_parameters(read_checkpoint(ckpt / "iter_0000020", "model/"), ref_params, layout)
 

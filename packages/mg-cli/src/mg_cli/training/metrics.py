@@ -147,7 +147,9 @@ _SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 def fast_paths(run: Any) -> dict[str, str]:
     """The kernels this run's step picks on its device: ``adamw`` (fused or foreach), ``attention`` (the
     ``scaled_dot_product_attention`` kernel torch chooses for this model's head size, dtype, mask and dropout;
-    context parallelism names its comm and block kernel), ``norm`` and ``compile``."""
+    context parallelism names its comm and block kernel), ``norm`` and ``compile``; with data or context
+    parallelism under DDP also ``grad_reduce`` (bucket reductions overlapped with backward, or after it) and,
+    with the distributed optimizer, ``param_gather`` (overlapped with the next forward, or after the step)."""
     import torch
 
     from mg_models.compilation import compiled_layers
@@ -177,6 +179,12 @@ def fast_paths(run: Any) -> dict[str, str]:
     paths["norm"] = ("F.rms_norm" if device.type == "cuda" else "composite") if norm == "rmsnorm" else "F.layer_norm"
     compiled = sum(compiled_layers(chunk) for chunk in inner)
     paths["compile"] = f"{compiled} layers" if compiled else "off"
+    chunk = run.model[0]
+    if run.grid.dp_size * run.grid.cp_size > 1 and hasattr(chunk, "overlap_grad_reduce"):  # mg's DDP
+        paths["grad_reduce"] = "overlapped" if chunk.overlap_grad_reduce else "after_backward"
+        if run.optimizer.distributed:
+            overlap = getattr(getattr(run.optimizer, "config", None), "overlap_param_gather", False)
+            paths["param_gather"] = "overlapped" if overlap else "after_step"
     return paths
 
 
