@@ -31,6 +31,7 @@ LAYOUTS = {
     "tp2-sp-recompute": (2, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=full"),
                          {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
     "pp2": (2, ("parallel.pp=2",), {"pp": 2, "schedule": "1f1b"}),
+    "recompute-selective": (1, ("parallel.recompute=selective",), {"recompute": "selective"}),  # core attention
     "dp2": (2, (), {"dp": 2, "micro_batches": 2}),
     "dp2-distopt": (2, ("parallel.distributed_optimizer=true",),
                     {"dp": 2, "micro_batches": 2, "distributed_optimizer": True}),

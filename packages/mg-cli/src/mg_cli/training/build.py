@@ -32,9 +32,6 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
     elif (cfg.head == "lm") != (config.data.format != "classification"):
         raise TrainingError(f"model.head={cfg.head} does not fit data.format={config.data.format}: a classification "
                             f"head trains on data.format=classification, every other format on model.head=lm")
-    if p.recompute_granularity == "selective":
-        raise TrainingError("parallel.recompute_granularity=selective is not supported by mg train yet; use full "
-                            "(optionally with parallel.recompute_num_layers) or leave it unset")
     check_expert_layout(cfg, config)
     try:
         check_parallel(cfg, p.tp, p.pp)
