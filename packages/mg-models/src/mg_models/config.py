@@ -353,6 +353,17 @@ def check_rotary_scaling(scaling: Any) -> dict[str, Any]:
     return out
 
 
+def pipeline_layers(config: Any) -> tuple[int, str]:
+    """``(layers a pipeline cuts into stages, how an error names them)``: T5's encoder layers followed by its
+    decoder layers, every other family's ``num_layers``."""
+    from mg_models.t5 import T5Config  # lazily: t5 imports this module
+
+    if isinstance(config, T5Config):
+        layers = config.num_layers + config.decoder_layers
+        return layers, f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
+    return config.num_layers, f"model.num_layers={config.num_layers}"
+
+
 def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     """Check that a tp/pp layout fits ``config`` (a GPTConfig, BertConfig or T5Config): the one place it is checked.
 
@@ -361,12 +372,9 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     """
     from mg_models.t5 import T5Config  # lazily: t5 imports this module
 
-    layers, layers_key = config.num_layers, f"model.num_layers={config.num_layers}"
     if isinstance(config, T5Config):
         checks = [("model.num_attention_heads", config.num_attention_heads),
                   ("model.ffn_hidden_size", config.ffn_hidden_size)]
-        layers = config.num_layers + config.decoder_layers  # a pipeline cuts encoder then decoder layers
-        layers_key = f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
     else:
         checks = [("model.num_attention_heads", config.num_attention_heads),
                   ("model.num_query_groups", config.query_groups), ("model.ffn_hidden_size", config.ffn_size)]
@@ -376,6 +384,7 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
             raise ValueError(
                 f"{what}={value} is not divisible by parallel.tp={tp}; choose a tp that divides it or change {what}"
             )
+    layers, layers_key = pipeline_layers(config)
     if layers < pp:
         raise ValueError(f"{layers_key} cannot fill parallel.pp={pp} pipeline stages (one layer each at least); use fewer "
                          f"stages")

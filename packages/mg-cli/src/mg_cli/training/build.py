@@ -23,7 +23,7 @@ __all__ = ["build_model_chunks", "check_model_layout", "model_config", "wrap_and
 
 def check_model_layout(cfg: Any, config: RunConfig) -> None:
     """Divisibility of heads, groups, ffn and layers by the layout, and what a family cannot do (no collective)."""
-    from mg_models.config import check_parallel
+    from mg_models.config import check_parallel, pipeline_layers
     from mg_models.layers import check_context_parallel
 
     p = config.parallel
@@ -39,10 +39,7 @@ def check_model_layout(cfg: Any, config: RunConfig) -> None:
             check_context_parallel(cfg, p.tp, p.cp, p.cp_comm)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    layers, what = cfg.num_layers, f"model.num_layers={cfg.num_layers}"
-    if config.model.type == "t5":
-        layers = cfg.num_layers + cfg.decoder_layers
-        what = f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
+    layers, what = pipeline_layers(cfg)
     if layers % (p.pp * p.vpp):
         raise TrainingError(
             f"{what} cannot be split evenly over parallel.pp*parallel.vpp = "
@@ -81,9 +78,10 @@ def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGT
     # FSDP keeps fp32 main parameters as its shards and casts to the compute dtype when it gathers them.
     dtype = policy.main_param_dtype if config.parallel.fsdp else policy.param_dtype
     if config.model.type == "t5":
+        from mg_models.config import pipeline_layers
         from mg_models.t5 import T5Model
 
-        (layers,) = partition_layers(cfg.num_layers + cfg.decoder_layers, dims.pp)[grid.pp_rank]
+        (layers,) = partition_layers(pipeline_layers(cfg)[0], dims.pp)[grid.pp_rank]
         return _compiled([T5Model(cfg, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
                                   layer_range=(layers.start, layers.stop), seed=config.train.seed, rng_tracker=rng,
                                   dtype=dtype)], config)

@@ -335,6 +335,11 @@ def forward_step_for(family: str, sentence_task: str = "sop", data_format: str =
     return {"gpt": _gpt_step, "t5": _t5_step}[family]
 
 
+def decoder_length(ds_config: Any) -> int:
+    """A T5 sample's decoder length: the padded ``decoder_seq_length`` or, unset, the span-corruption target's."""
+    return ds_config.decoder_seq_length or ds_config.decoder_length
+
+
 def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length: int, data_format: str = "pretrain",
                          *, recompute: bool) -> float:
     """Model FLOPs of one training step per token counted in ``tokens_per_s`` (matmuls, forward + backward).
@@ -346,8 +351,8 @@ def step_flops_per_token(family: str, model_cfg: Any, ds_config: Any, seq_length
     from mg_models import flops_per_token
 
     if family == "t5":
-        decoder = ds_config.decoder_seq_length or ds_config.decoder_length
-        return flops_per_token(model_cfg, seq_length, recompute=recompute, decoder_seq_length=decoder)
+        return flops_per_token(model_cfg, seq_length, recompute=recompute,
+                               decoder_seq_length=decoder_length(ds_config))
     if family == "bert" and data_format == "pretrain":
         masked = max(1, round(ds_config.masked_lm_prob * ds_config.max_num_tokens)) / seq_length
         return flops_per_token(model_cfg, seq_length, recompute=recompute, masked_lm_fraction=masked)

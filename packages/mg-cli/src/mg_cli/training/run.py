@@ -69,7 +69,9 @@ def stage_positions(config: RunConfig, ds_config: Any, seq: int, grid: Any) -> i
     """Positions of the activations a pipeline stage sends: this rank's ``seq`` tokens (split over tp under
     sequence parallelism); T5 sends the encoder's positions and the decoder's."""
     if config.model.type == "t5":
-        return seq + (ds_config.decoder_seq_length or ds_config.decoder_length)
+        from mg_cli.training.families import decoder_length
+
+        return seq + decoder_length(ds_config)
     return seq // grid.tp_size if grid.dims.sequence_parallel else seq
 
 
