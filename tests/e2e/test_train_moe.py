@@ -30,7 +30,7 @@ from tests.e2e.conftest import (
 # near-tie in routing makes it differ by 2e-5 between one process and dp2 (at ep1 as at ep2) while the loss
 # agrees to 1e-8; at 1e-3 every layout agrees within 3e-7.
 MOE = ("model.preset=tiny-moe", "train.iters=12", "checkpoint.interval=6", "optim.lr=1e-3")
-MOE_SETTINGS = {**BASE_SETTINGS, "ep": 1, "etp": 1, "experts": "grouped_mm"}
+MOE_SETTINGS = {**BASE_SETTINGS, "ep": 1, "etp": 1, "experts": "loop"}
 EP2 = (*MOE, "parallel.ep=2")
 LAYOUTS = {
     # name: (processes, --set overrides, the effective settings the run must report besides MOE_SETTINGS)

@@ -249,7 +249,7 @@ def _cases_world4():
     out = []
     for ep in (1, 2, 4):
         out.append(("dp", dict(ep=ep), MoEConfig(**base), 10 + ep))
-    out.append(("dp", dict(ep=4), MoEConfig(**base, moe_grouped_gemm=False), 15))  # the loop path
+    out.append(("dp", dict(ep=4), MoEConfig(**base, moe_grouped_gemm=True), 15))  # grouped_mm (auto is the loop on CPU)
     out += [
         ("dp", dict(ep=4), MoEConfig(**base, moe_token_dispatcher_type="allgather"), 21),
         ("dp", dict(ep=2), MoEConfig(**base, moe_expert_capacity_factor=0.5), 22),
@@ -269,7 +269,7 @@ def _check_world4():
     cases = [_run_case(*c) for c in _cases_world4()]
     idle_bias = torch.zeros(N)
     idle_bias[5] = -1e4  # expert 5 is never chosen
-    for grouped in (None, False):
+    for grouped in (None, True):
         cfg = MoEConfig(moe_router_topk=2, moe_router_enable_expert_bias=True, moe_grouped_gemm=grouped)
         cases.append(_run_case("dp", dict(ep=4), cfg, 30, bias=idle_bias, idle=5))
     cases.append(_check_expert_grad_average())
@@ -418,3 +418,36 @@ def test_validation_names_the_fields():
         MoEConfig(moe_expert_capacity_factor=0.0)
     with pytest.raises(ValueError, match="moe_router_topk=3 exceeds model.num_experts=2"):
         MoELayer(H, FFN, 2, MoEConfig(moe_router_topk=3))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_experts_in_bf16_and_under_autocast(grouped):
+    """Both expert paths in bf16 (bf16 weights, or fp32 weights under CPU autocast) against the fp32 products
+    of the same bf16-rounded values, per expert by a loop, including an expert that gets no row."""
+    gen = torch.Generator().manual_seed(7)
+    h, f = 16, 32  # 16-byte aligned rows for _grouped_mm in bf16
+    counts = torch.tensor([3, 0, 5, 2, 4, 1, 6, 3])
+    for autocast in (False, True):
+        experts = GroupedExperts(N, h, f, grouped=grouped)
+        if not autocast:
+            experts = experts.to(torch.bfloat16)
+        with torch.no_grad():  # values exact in bf16, so both sides start from the same numbers
+            for p in experts.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.3).bfloat16())
+        x = torch.randn(int(counts.sum()), h, generator=gen).bfloat16().requires_grad_(True)
+        g = torch.randn(x.shape, generator=gen).bfloat16()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = experts(x, counts)
+        assert y.dtype == torch.bfloat16 and experts.path == ("grouped_mm" if grouped else "loop")
+        (y.float() * g.float()).sum().backward()
+        w1, w2 = (p.detach().float().requires_grad_(True) for p in (experts.w1, experts.w2))
+        xr = x.detach().float().requires_grad_(True)
+        ref = torch.cat([_mlp(xe, w1[e], w2[e], "swiglu") for e, xe in enumerate(xr.split(counts.tolist()))])
+        (ref * g.float()).sum().backward()
+        tol = {"rtol": 1e-2, "atol": 1e-2 * ref.abs().max().item()}
+        assert_close(y.float(), ref, **tol)
+        assert_close(x.grad.float(), xr.grad, rtol=1e-2, atol=1e-2 * xr.grad.abs().max().item())
+        for p, r in ((experts.w1, w1), (experts.w2, w2)):
+            assert p.grad.dtype == p.dtype
+            assert_close(p.grad.float(), r.grad, rtol=1e-2, atol=1e-2 * r.grad.abs().max().item())
+        assert experts.w1.grad[1].abs().max() == 0 and experts.w2.grad[1].abs().max() == 0

@@ -47,7 +47,7 @@ class MoEConfig:
     moe_expert_activation: str = "swiglu"
     """Expert MLP: ``"swiglu"`` (``silu(x W_gate) * x W_up``) or ``"gelu"``."""
     moe_grouped_gemm: bool | None = None
-    """Compute the local experts with ``torch._grouped_mm``; None picks it when this build runs it here."""
+    """Compute the local experts with ``torch._grouped_mm``; None picks it off the CPU where this build runs it."""
     moe_shared_expert_intermediate_size: int | None = None
     """FFN size of a shared expert every token goes through; None for none."""
     moe_shared_expert_gate: bool = False

@@ -15,10 +15,12 @@ needs); every expert parameter carries the tags it reads (``expert_parallel``, `
 ``ep_rank``, and the tensor-parallel tags of ``tensor_parallel.utils``).
 
 **Paths.** ``grouped_mm`` runs all experts in one ``torch._grouped_mm`` per projection (chosen
-where this torch build runs it forward and backward for the weights' dtype, device and sizes,
-checked once with a tiny probe); ``loop`` runs one matmul per expert, written into one output and,
-in backward, straight into one weight-gradient tensor (on the CPU the two measured within noise of
-each other). An expert that receives no token gets a zero gradient on either path.
+on accelerators where this torch build runs it forward and backward for the weights' dtype, device
+and sizes, checked once with a tiny probe); ``loop`` runs one matmul per expert, written into one
+output and, in backward, straight into one weight-gradient tensor, and for SwiGLU runs each
+expert's whole MLP before the next one's (:class:`_LoopedSwiGLU`). It is the CPU's choice: there
+``_grouped_mm`` runs one group at a time, and the loop measured 1.1x faster at Mixtral's shape.
+An expert that receives no token gets a zero gradient on either path.
 """
 
 from __future__ import annotations
@@ -65,13 +67,18 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, -1)
         grad_h = torch.empty_like(h)
-        grad_gate, grad_up = grad_h.chunk(2, -1)
-        torch.mul(F.silu(gate), grad, out=grad_up)  # (silu writing into a strided view is slow on CPU)
-        torch.mul(grad, up, out=grad_gate)  # then silu's backward in place there: no temporary
-        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        _swiglu_backward(h, grad, grad_h)
         return grad_h
+
+
+def _swiglu_backward(h: torch.Tensor, grad: torch.Tensor, grad_h: torch.Tensor) -> None:
+    """Write the gradient of ``silu(h[:, :f]) * h[:, f:]`` with respect to ``h`` into ``grad_h``."""
+    gate, up = h.chunk(2, -1)
+    grad_gate, grad_up = grad_h.chunk(2, -1)
+    torch.mul(F.silu(gate), grad, out=grad_up)  # (silu writing into a strided view is slow on CPU)
+    torch.mul(grad, up, out=grad_gate)  # then silu's backward in place there: no temporary
+    torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
 
 
 class _LoopedMM(torch.autograd.Function):
@@ -97,6 +104,48 @@ class _LoopedMM(torch.autograd.Function):
             torch.mm(ge, we.t(), out=gxe)
             torch.mm(xe.t(), ge, out=gwe)  # an expert without rows: a zero gradient
         return grad_x, grad_w, None
+
+
+class _LoopedSwiGLU(torch.autograd.Function):
+    """A whole SwiGLU expert MLP per expert's row block: ``(silu(x_e g_e) * (x_e u_e)) w2_e``.
+
+    Each expert's ``[m, 2f]`` pre-activation is made, activated and projected down before the next
+    expert's, so the elementwise work reads tensors the matmul has just written (still in cache) and
+    every temporary is one expert's size (on the CPU a fresh ``[M, 2f]`` tensor costs its page faults).
+    Saves each expert's pre-activation and activation, as the separate products would; backward
+    runs expert by expert the same way, writing the input gradient into one ``[M, h]`` tensor and the
+    weight gradients straight into ``[E, h, 2f]`` and ``[E, f, h]`` (zeros for an idle expert).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        out = x.new_empty((x.shape[0], w2.shape[-1]))
+        saved = []
+        for xe, w1e, w2e, oe in zip(x.split(splits), w1.unbind(0), w2.unbind(0), out.split(splits)):
+            he = torch.mm(xe, w1e)
+            gate, up = he.chunk(2, -1)
+            ae = F.silu(gate).mul_(up)
+            torch.mm(ae, w2e, out=oe)
+            saved += [he, ae]
+        ctx.save_for_backward(x, w1, w2, *saved)
+        ctx.splits = splits
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, w1, w2, *saved = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x, grad_w1, grad_w2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+        blocks = zip(x.split(ctx.splits), grad.split(ctx.splits), grad_x.split(ctx.splits), w1.unbind(0),
+                     w2.unbind(0), grad_w1.unbind(0), grad_w2.unbind(0), saved[0::2], saved[1::2])
+        for xe, ge, gxe, w1e, w2e, gw1e, gw2e, he, ae in blocks:
+            torch.mm(ae.t(), ge, out=gw2e)
+            grad_a = torch.mm(ge, w2e.t())
+            grad_h = torch.empty_like(he)
+            _swiglu_backward(he, grad_a, grad_h)
+            torch.mm(xe.t(), grad_h, out=gw1e)
+            torch.mm(grad_h, w1e.t(), out=gxe)
+        return grad_x, grad_w1, grad_w2, None
 
 
 def grouped_mm_supported(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -224,7 +273,10 @@ class GroupedExperts(nn.Module):
         if grouped and not supported:
             raise ValueError("moe_grouped_gemm=True but torch._grouped_mm does not run for these weights here; "
                              "set it to null (auto) or false")
-        self.path = "grouped_mm" if (supported if grouped is None else grouped) else "loop"
+        # auto: grouped_mm off the CPU; on the CPU torch runs it one group at a time, and the loop (with SwiGLU
+        # fused per expert) measured faster (benchmarks/bench_moe.py)
+        auto = supported and self.w1.device.type != "cpu"
+        self.path = "grouped_mm" if (auto if grouped is None else grouped) else "loop"
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
         if w.dtype != x.dtype:  # e.g. under autocast, where the activations arrive in the autocast dtype
@@ -239,6 +291,10 @@ class GroupedExperts(nn.Module):
         x = copy_to_tp_region(x, self.tp_group)
         splits = None if self.path == "grouped_mm" else tokens_per_expert.tolist()
         w1 = self.w1.flatten(2)  # [E, h, 2f] for SwiGLU: gate columns then up columns
+        if self.path == "loop" and self.activation == "swiglu":
+            w2 = self.w2.to(x.dtype) if self.w2.dtype != x.dtype else self.w2  # e.g. under autocast
+            y = _LoopedSwiGLU.apply(x.contiguous(), w1.to(x.dtype).contiguous(), w2.contiguous(), splits)
+            return reduce_from_tp_region(y, self.tp_group)
         h = self._mm(x, w1, tokens_per_expert, splits)
         if self.activation == "swiglu":
             h = _SwiGLU.apply(h)
