@@ -292,15 +292,12 @@ class GroupedExperts(nn.Module):
         splits = None if self.path == "grouped_mm" else tokens_per_expert.tolist()
         w1 = self.w1.flatten(2)  # [E, h, 2f] for SwiGLU: gate columns then up columns
         if self.path == "loop" and self.activation == "swiglu":
-            w2 = self.w2.to(x.dtype) if self.w2.dtype != x.dtype else self.w2  # e.g. under autocast
-            y = _LoopedSwiGLU.apply(x.contiguous(), w1.to(x.dtype).contiguous(), w2.contiguous(), splits)
-            return reduce_from_tp_region(y, self.tp_group)
-        h = self._mm(x, w1, tokens_per_expert, splits)
-        if self.activation == "swiglu":
-            h = _SwiGLU.apply(h)
+            w1, w2 = (w.to(x.dtype).contiguous() for w in (w1, self.w2))  # e.g. under autocast
+            y = _LoopedSwiGLU.apply(x.contiguous(), w1, w2, splits)
         else:
-            h = F.gelu(h)
-        y = self._mm(h, self.w2, tokens_per_expert, splits)
+            h = self._mm(x, w1, tokens_per_expert, splits)
+            h = _SwiGLU.apply(h) if self.activation == "swiglu" else F.gelu(h)
+            y = self._mm(h, self.w2, tokens_per_expert, splits)
         return reduce_from_tp_region(y, self.tp_group)
 
     def extra_repr(self) -> str:
