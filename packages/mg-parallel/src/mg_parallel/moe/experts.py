@@ -267,16 +267,16 @@ class GroupedExperts(nn.Module):
             if sequence_parallel:
                 p.sequence_parallel = True
             self.register_parameter(name, p)
+        # auto: grouped_mm off the CPU; on the CPU torch runs it one group at a time, and the loop (with SwiGLU
+        # fused per expert) measured faster (benchmarks/bench_moe.py), so there is nothing to probe
+        wanted = self.w1.device.type != "cpu" if grouped is None else grouped
         in1, out1 = hidden_size, (2 if gated else 1) * f
-        supported = grouped_mm_supported(in1, out1, self.w1.dtype, self.w1.device) and grouped_mm_supported(
+        supported = wanted and grouped_mm_supported(in1, out1, self.w1.dtype, self.w1.device) and grouped_mm_supported(
             f, hidden_size, self.w1.dtype, self.w1.device)
         if grouped and not supported:
             raise ValueError("moe_grouped_gemm=True but torch._grouped_mm does not run for these weights here; "
                              "set it to null (auto) or false")
-        # auto: grouped_mm off the CPU; on the CPU torch runs it one group at a time, and the loop (with SwiGLU
-        # fused per expert) measured faster (benchmarks/bench_moe.py)
-        auto = supported and self.w1.device.type != "cpu"
-        self.path = "grouped_mm" if (auto if grouped is None else grouped) else "loop"
+        self.path = "grouped_mm" if supported else "loop"
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, splits: list[int] | None) -> torch.Tensor:
         if w.dtype != x.dtype:  # e.g. under autocast, where the activations arrive in the autocast dtype
