@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from tests.e2e.conftest import mg
-
-transformers = pytest.importorskip("transformers")
 
 
 def _hf_tensors(path):

@@ -13,12 +13,10 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
+import transformers
 
 from tests.e2e.conftest import family_args, mg, tiny_args
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 FAMILIES = ("gpt", "bert", "t5")

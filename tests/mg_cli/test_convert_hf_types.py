@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from click.testing import CliRunner
 
 from mg_cli.commands.convert import _GPT_TYPES
 from mg_cli.main import cli
 from mg_models.hf import FAMILY_OF_MODEL_TYPE
-
-transformers = pytest.importorskip("transformers")
 
 
 def test_export_types_are_the_supported_gpt_types():

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 
+import lm_eval
 import pytest
-
-lm_eval = pytest.importorskip("lm_eval")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+import tokenizers
+import transformers
 
 CORPUS = ["the cat sat on the mat", "a dog ran in the park", "red green blue yellow", "one two three four five",
           "question answer choice"] * 4

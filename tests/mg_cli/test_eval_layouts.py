@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 from mg_parallel.testing import run_distributed
-
-transformers = pytest.importorskip("transformers")
 
 
 def _tasks(d):

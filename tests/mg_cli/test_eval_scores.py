@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from mg_cli.evaluation.evaluate import Evaluator
 from mg_cli.evaluation.lm import LMScorer
@@ -18,7 +19,6 @@ from mg_cli.evaluation.runner import ModelRunner, load_model
 from mg_cli.evaluation.tasks import parse_task
 from mg_data.tokenizers import ByteTokenizer
 
-transformers = pytest.importorskip("transformers")
 TOK = ByteTokenizer()
 CTX = 48
 
@@ -197,7 +197,7 @@ def test_classification_accuracy_macro_f1_and_confusion(tmp_path):
         with torch.no_grad():
             preds.append(int(hf(torch.tensor([list(r["text"].encode())])).logits.argmax(-1)))
     golds = [r["label"] for r in rows]
-    sklearn = pytest.importorskip("sklearn.metrics")
+    from sklearn import metrics as sklearn
     assert res["metrics"]["accuracy"]["value"] == pytest.approx(sklearn.accuracy_score(golds, preds))
     assert res["metrics"]["macro_f1"]["value"] == pytest.approx(sklearn.f1_score(golds, preds, average="macro"))
     assert res["confusion_matrix"] == sklearn.confusion_matrix(golds, preds, labels=range(3)).tolist()

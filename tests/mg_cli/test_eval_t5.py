@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
+import transformers
 
 from mg_cli.evaluation.evaluate import Evaluator
 from mg_cli.evaluation.layouts import build_runner
@@ -17,7 +17,6 @@ from mg_cli.evaluation.runner import decoder_start_token_id
 from mg_cli.evaluation.tasks import parse_task
 from mg_data.tokenizers import ByteTokenizer
 
-transformers = pytest.importorskip("transformers")
 TOK = ByteTokenizer()
 START = 258  # not T5's usual 0, so a decoder started from 0 gives other outputs
 

@@ -7,13 +7,12 @@ import json
 
 import pytest
 import torch
+import transformers
 from click.testing import CliRunner
 
 import mg_data
 from mg_cli.main import cli
 from mg_data.tokenizers import ByteTokenizer
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

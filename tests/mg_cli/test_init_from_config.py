@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from mg_cli.training.pretrained import read_pretrained
 from mg_models import load_pretrained
-
-transformers = pytest.importorskip("transformers")
 
 
 def _models():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file
 
 from mg_models import load_pretrained
@@ -16,8 +17,6 @@ from mg_models.bert import BertConfig, BertModel, load_hf_bert
 from mg_models.hf.bert import read_hf_bert, write_hf_bert
 from mg_models.hf.t5 import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
 from mg_models.t5 import T5Config, T5Model, get_t5_config, greedy_generate, load_hf_t5
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301  # not a multiple of 128: exercises vocabulary padding
 

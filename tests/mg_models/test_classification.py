@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from mg_models import GPTConfig, GPTModel, load_pretrained
@@ -21,8 +22,6 @@ from mg_parallel.grid import ParallelDims, build_grid
 from mg_parallel.testing import run_distributed
 from tests.mg_models.test_hf_parity import _check_streaming_groups
 from tests.mg_models.test_layout import _full
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301
 PAD = 3

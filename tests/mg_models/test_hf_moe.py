@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from mg_models import GPTConfig, GPTModel, flops_per_token, get_config, load_pretrained, num_parameters
@@ -18,8 +19,6 @@ from mg_parallel.moe import GroupedExperts, TopKRouter, is_expert_param, moe_los
 from mg_parallel.testing import run_distributed
 
 from .test_hf_parity import assert_exports_bit_exact, save_case
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

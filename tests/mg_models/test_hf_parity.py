@@ -11,13 +11,12 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from mg_models import load_pretrained
 from mg_models.generation import SamplingConfig, generate
 from mg_models.hf import read_hf_directory, write_hf_directory
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301  # not a multiple of 128: exercises vocabulary padding
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from mg_models import GPTModel, load_pretrained
 from mg_models.hf import config_from_hf, config_to_hf, write_hf_directory
 
 from .test_hf_parity import assert_exports_bit_exact, save_case
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 301
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
