@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PACKAGES := mg-parallel mg-models mg-data mg-ckpt mg-cli
 INSTALL_INPUTS := constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
 
-.PHONY: demo test lint test-packages test-e2e venv clean
+.PHONY: demo test test-fast lint test-packages test-e2e test-smoke venv clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,17 @@ test-packages: $(STAMP)
 	@for p in $(PACKAGES); do bash .ci/test_package.sh $$p || exit 1; done
 
 test-e2e: $(STAMP)
-	$(VENV)/bin/pytest tests/e2e --durations=15
+	@mkdir -p .ci-reports
+	$(VENV)/bin/pytest tests/e2e --durations=15 --junitxml=.ci-reports/e2e.xml
+
+# The inner loop (under 5 minutes): lint, the package suites, and the end-to-end tests marked smoke.
+test-fast: $(STAMP)
+	$(MAKE) lint
+	$(MAKE) test-packages
+	$(MAKE) test-smoke
+
+test-smoke: $(STAMP)
+	$(VENV)/bin/pytest tests/e2e -m smoke --durations=5
 
 clean:
-	rm -rf $(VENV) .venvs dist build
+	rm -rf $(VENV) .venvs dist build .ci-reports

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkg="$1"
+shift  # the rest are pytest arguments
 # Run quietly; on failure show pip's output (minus the mirror's noise about absent pages).
 quiet() { local out; if ! out=$("$@" 2>&1); then echo "$out" | grep -v 'is ignored: it is neither' >&2; return 1; fi; }
 dev=.venv/bin/python
@@ -69,4 +70,5 @@ echo "$key" > "$venv/.key"
 
 imp=$(echo "$pkg" | tr - _)
 echo "== $pkg (isolated: ${needed[*]}; fresh venv: $fresh)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "tests/$imp"
+mkdir -p .ci-reports
+"$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml=".ci-reports/$pkg.xml" "tests/$imp" "$@"
