@@ -169,15 +169,33 @@ class LogKeys:
     """Where progress goes."""
 
     dir: str = "runs/mg"
-    """Log directory: metrics.jsonl, config.yaml, TensorBoard events."""
+    """Log directory: metrics.jsonl, config.yaml, TensorBoard events, offline W&B runs."""
     interval: int = 1
     """Log every this many iterations."""
     tensorboard: bool = False
     """Write TensorBoard scalars (needs the mg-cli[tensorboard] extra)."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log the same scalars (step = iteration) and the run config to, from rank 0
+    (null: no W&B; needs the mg-cli[wandb] extra)."""
+    wandb_entity: str | None = None
+    """W&B user or team owning log.wandb_project (null: the account's default)."""
+    wandb_run_name: str | None = None
+    """W&B run name (null: W&B picks one)."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """online: sync while training; offline: write the run under LOGDIR/wandb only (`wandb sync` uploads it);
+    null: the WANDB_MODE environment variable, else online."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device that mfu divides by (null: NVIDIA's published dense figure for a known GPU in
+    bf16/fp16, else measured at start-up); set it for a GPU that mg's table lacks."""
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ConfigError(f"log.interval must be >= 1, got {self.interval}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"log.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+        for name in ("wandb_entity", "wandb_run_name", "wandb_mode"):
+            if getattr(self, name) is not None and self.wandb_project is None:
+                raise ConfigError(f"log.{name} is set but log.wandb_project is not; set the project to log to W&B")
 
 
 _OPTIMIZER = "mg_parallel.optimizer.config:OptimizerConfig"

@@ -71,6 +71,9 @@ def preflight(config: RunConfig, env: Env) -> Plan:
         TrainingError: naming the key or file at fault.
     """
     dims = check_config(config, env)
+    from mg_cli.training.metrics import check_log_extras
+
+    check_log_extras(config)
     from mg_data import build_tokenizer
 
     try:
@@ -118,7 +121,7 @@ def _resolve_load(config: RunConfig, resume: bool) -> str | None:
 def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop: SignalFlag,
            saver: Any) -> dict[str, Any]:
     """Build the run, then iterate: step, log, evaluate, save, and stop when every rank agrees to."""
-    from mg_cli.training.metrics import MetricsLogger, report_start, step_record
+    from mg_cli.training.metrics import MetricsLogger, report_start, step_record, wandb_init_args
     from mg_cli.training.policy import CheckpointPolicy, StopConditions
     from mg_cli.training.run import build_run
     from mg_cli.training.step import check_loss, evaluate, train_step
@@ -129,9 +132,11 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     t, start_iter = config.train, run.start_iter
     batches = run.data.train_iterator(start_iter * t.global_batch_size)
     valid = run.data.valid_batches() if config.eval.interval or config.eval.iters else None
+    # Per device, fixed for the run: log.peak_tflops, else published for known GPUs, else measured here, before
+    # data workers, TensorBoard or W&B start.
+    peak = peak_flops(run.dtype, run.grid.device, configured_tflops=config.log.peak_tflops)
     logger = MetricsLogger(config.log.dir, enabled=env.is_main, total_iters=t.iters, start_iter=start_iter,
-                           tensorboard=config.log.tensorboard)
-    peak = peak_flops(run.dtype, run.grid.device)  # per device: published for known GPUs, else measured here
+                           tensorboard=config.log.tensorboard, wandb=wandb_init_args(config) if env.is_main else None)
     report_start(run, logger, peak)
     checkpoints = CheckpointPolicy(run, logger.message)
     stops = StopConditions(stop, run.grid, t.exit_after_minutes)
@@ -181,5 +186,8 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
         if iteration > start_iter:
             checkpoints.save(iteration)
         return {"iteration": iteration, "loss": last_loss, "val_loss": last_val, "stopped": False}
+    except BaseException:
+        logger.close(failed=True)
+        raise
     finally:
         logger.close()

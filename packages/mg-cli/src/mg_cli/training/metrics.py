@@ -1,4 +1,4 @@
-"""Run logging: metrics.jsonl (flushed per line), a progress bar or plain lines, TensorBoard."""
+"""Run logging: metrics.jsonl (flushed per line), a progress bar or plain lines, TensorBoard, Weights & Biases."""
 
 from __future__ import annotations
 
@@ -7,8 +7,43 @@ import math
 import os
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+
+from mg_cli.training.setup import TrainingError
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of ``record`` that TensorBoard and W&B plot: every int or float but ``iteration`` (not bools)."""
+    return {k: v for k, v in record.items()
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def check_log_extras(config: Any) -> None:
+    """The packages that ``config.log`` asks for are installed (checked before the run is built).
+
+    Raises:
+        TrainingError: naming the key and the mg-cli extra to install.
+    """
+    if config.log.tensorboard and find_spec("tensorboard") is None:
+        raise TrainingError("log.tensorboard is true but TensorBoard is not installed; pip install 'mg-cli[tensorboard]'")
+    if config.log.wandb_project is not None and find_spec("wandb") is None:
+        raise TrainingError("log.wandb_project is set but wandb is not installed; pip install 'mg-cli[wandb]'")
+
+
+def wandb_init_args(config: Any) -> dict[str, Any] | None:
+    """``wandb.init`` keyword arguments for a run configured with ``log.wandb_project`` (None without it): the
+    project, entity, run name and mode of the ``log`` section, the resolved config, and ``dir`` LOGDIR unless
+    ``WANDB_DIR`` says otherwise."""
+    log = config.log
+    if log.wandb_project is None:
+        return None
+    args: dict[str, Any] = {"project": log.wandb_project, "entity": log.wandb_entity, "name": log.wandb_run_name,
+                            "mode": log.wandb_mode, "config": config.to_dict()}
+    if not os.environ.get("WANDB_DIR"):
+        args["dir"] = log.dir
+    return args
 
 
 class MetricsLogger:
@@ -16,16 +51,31 @@ class MetricsLogger:
 
     Each line is flushed and fsync'ed as it is written, so a crash loses nothing already logged.
     On a terminal a tqdm bar shows iteration, loss, tokens/s and ETA; otherwise plain lines go to
-    stdout.
+    stdout. The numbers of each logged record also go to TensorBoard and to a Weights & Biases run when
+    asked for, at step = iteration.
     """
 
     def __init__(self, log_dir: str | Path, *, enabled: bool, total_iters: int, start_iter: int,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, wandb: dict[str, Any] | None = None) -> None:
+        """Open the log of rank 0 (``enabled``); other ranks get a logger that does nothing.
+
+        Args:
+            log_dir: LOGDIR (created).
+            enabled: whether this process logs (global rank 0).
+            total_iters, start_iter: the progress bar's length and start.
+            tensorboard: write TensorBoard scalars under LOGDIR/tensorboard.
+            wandb: ``wandb.init`` keyword arguments (:func:`wandb_init_args`); None: no W&B run.
+
+        Raises:
+            TrainingError: TensorBoard or wandb asked for but not installed, or ``wandb.init`` failed (one line).
+        """
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
         self._file = None
         self._bar = None
         self._tb = None
+        self._wandb = None
+        self._mfu_warned = False
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,15 +87,21 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError(
-                    "log.tensorboard is true but TensorBoard is not installed; pip install 'mg-cli[tensorboard]'"
-                ) from e
+            except ImportError:
+                raise TrainingError("log.tensorboard is true but TensorBoard is not installed; "
+                                    "pip install 'mg-cli[tensorboard]'") from None
             self._tb = SummaryWriter(str(Path(log_dir) / "tensorboard"))
+        if wandb is not None:
+            try:
+                self._wandb = _start_wandb(wandb)
+            except TrainingError:
+                self.close()
+                raise
         self._t0 = time.monotonic()
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (must hold ``iteration``) and show it."""
+        """Append ``record`` (must hold ``iteration``) and show it; its numbers go to TensorBoard and W&B. The
+        first record with an ``mfu_note`` also prints that note as a warning line."""
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -53,10 +109,16 @@ class MetricsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())
         it = record["iteration"]
+        scalars = _scalars(record)
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                    self._tb.add_scalar(k, v, it)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, it)
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=it)
+        if record.get("mfu_note") and not self._mfu_warned:
+            self._mfu_warned = True
+            self.message(f"warning: iteration {it}: {record['mfu_note']} (each such step has this mfu_note in "
+                         f"metrics.jsonl)")
         if self._bar is not None:
             if "loss" in record:
                 self._bar.n = it
@@ -77,14 +139,19 @@ class MetricsLogger:
             print(" | ".join(parts), flush=True)
 
     def record(self, record: dict[str, Any]) -> None:
-        """Append ``record`` to metrics.jsonl only (not shown, not in TensorBoard), e.g. the run's settings."""
+        """Append ``record`` to metrics.jsonl only (not shown, not in TensorBoard), e.g. the run's settings. The
+        run's start record (``event: start``) also goes into the W&B run's config, under ``start``."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._wandb is not None and record.get("event") == "start":
+            self._wandb.config.update({"start": {k: v for k, v in record.items() if k not in ("iteration", "event")}},
+                                      allow_val_change=True)
 
     def message(self, text: str) -> None:
+        """Show one line (above the progress bar on a terminal); rank 0 only."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -92,14 +159,36 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Close the bar, TensorBoard, the W&B run (exit code 1 when ``failed``) and metrics.jsonl; a second call
+        does nothing."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            run, self._wandb = self._wandb, None
+            run.finish(exit_code=1 if failed else 0)
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _start_wandb(init_args: dict[str, Any]) -> Any:
+    """``wandb.init(**init_args)``; its failures (no API key online, a bad entity, ...) as one line."""
+    try:
+        import wandb
+    except ImportError:
+        raise TrainingError("log.wandb_project is set but wandb is not installed; pip install 'mg-cli[wandb]'") \
+            from None
+    try:
+        return wandb.init(**init_args)
+    except Exception as e:  # noqa: BLE001 - wandb raises many kinds (UsageError, CommError, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TrainingError(f"log.wandb_project: wandb.init failed: {first} (log.wandb_mode=offline logs without an "
+                            f"account; `wandb sync` uploads later)") from None
 
 
 def effective_settings(run: Any) -> dict[str, Any]:
@@ -232,14 +321,20 @@ def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
 
 
 def step_record(run: Any, result: Any, peak: Any) -> dict[str, Any]:
-    """The metrics.jsonl record of one training step (see the mg-cli README for the keys)."""
+    """The metrics.jsonl record of one training step (see the mg-cli README for the keys).
+
+    ``tflops_per_device`` = FLOPs per token x ``tokens_per_s`` / processes; ``mfu`` = that over ``peak``
+    (a :class:`~mg_cli.training.throughput.PeakFlops`, fixed for the run), not capped. A step above the peak
+    gets ``mfu_note``, the one line saying what that means for the peak's source.
+    """
     t = run.config.train
     tokens_per_s = t.global_batch_size * run.config.model.seq_length / result.seconds
     flops_per_device = run.flops_per_token * tokens_per_s / run.grid.world_size
-    raised = peak.observe(flops_per_device)
-    return {**({"mfu_peak_tflops_per_device": peak.flops_per_s / 1e12} if raised else {}),
+    note = peak.excess_note(flops_per_device)
+    return {
         "iteration": result.iteration, "loss": result.loss, **result.parts, "lr": result.lr,
         "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s, "mfu": peak.utilization(flops_per_device),
+        **({"mfu_note": note} if note else {}),
         "tflops_per_device": flops_per_device / 1e12, "step_time_s": result.seconds,
         "peak_mem_bytes": peak_memory_bytes(run.grid.device), "skipped": not result.applied,
         "loss_scale": float(run.optimizer.loss_scale) if run.fp16 else None,

@@ -1,22 +1,22 @@
 """Peak matmul throughput per device: the denominator of ``mfu`` in ``mg train``'s metrics.
 
-A known GPU part gets its published dense (no 2:4 sparsity) peak for the compute dtype. Anything
-else (CPUs, parts not in the table, fp32 on any GPU) gets a measured peak: the best FLOP/s
-achieved by matmuls in the layouts a training step uses (``x @ W^T`` forward, ``g @ W`` and
-``g^T @ x`` backward), over growing square sizes, each size timed as the fastest of several calls.
+Three sources, in this order: a peak given in the configuration (``log.peak_tflops``, for a part not in
+the table or to fix the denominator); a known GPU part's published dense (no 2:4 sparsity) peak for the
+compute dtype; anything else (CPUs, parts not in the table, fp32 on any GPU) a peak measured at start-up,
+before the first step: the best FLOP/s achieved by matmuls in the layouts a training step uses (``x @ W^T``
+forward, ``g @ W`` and ``g^T @ x`` backward), over growing square sizes, each size timed as the fastest of
+several calls, and each layout's best size timed again in further rounds (best of several repetitions).
 
 A bf16/fp16 step does not run every matmul in its compute dtype: on a CPU, PyTorch's math
 attention, taken when the attention bias needs a gradient (T5's learned relative-position bias),
 runs its matmuls in fp32. So the measured peak of a reduced precision is the better of that
 dtype's and fp32's: the step's average FLOP/s cannot exceed the rate of the fastest dtype it runs
-matmuls in, and ``mfu`` cannot legitimately exceed 1. (The published bf16/fp16 peaks of the parts
-below exceed their fp32/TF32 peaks, so the same holds for them.) A measured peak is also only as
-good as the moment it was measured in, so it is the best over sizes, layouts and repeated calls. It
-is a lower bound of the device's peak, and so is every step's achieved rate: when a step achieves
-more than the measured peak (the machine was busy while it was measured), the peak is measured again
-and becomes the best of that and the step's rate (:meth:`PeakFlops.observe`, recorded in the step's
-metrics). A published peak is never raised: an ``mfu`` above 1 against one is reported as it is (a
-bug to find: over-counted FLOPs or a wrong figure).
+matmuls in. (The published bf16/fp16 peaks of the parts below exceed their fp32/TF32 peaks, so the
+same holds for them.)
+
+The peak is fixed for the run: it is never raised to a step's rate and ``mfu`` is never capped. A step
+that achieves more than the peak is a measurement problem (a disturbed start-up measurement, a wrong
+figure or over-counted FLOPs), which :meth:`PeakFlops.excess_note` describes in one line for the log.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,37 +69,44 @@ SLOWER_THAN_FP32 = 0.9
 
 @dataclass
 class PeakFlops:
-    """The MFU denominator of one device."""
+    """The MFU denominator of one device, fixed for the run."""
 
     flops_per_s: float
     """Peak FLOP/s of one device (one process's device and threads)."""
     source: str
-    """Where it comes from: ``"published <part> <dtype>"`` or ``"measured <dtype> on <device>"``."""
+    """Where it comes from: ``"configured log.peak_tflops"``, ``"published <part> <dtype>"`` or
+    ``"measured <dtype> on <device>"``."""
 
-    remeasure: Callable[[], float] | None = field(default=None, repr=False, compare=False)
-    """Measures the peak again (measured peaks only)."""
+    @property
+    def kind(self) -> str:
+        """``"configured"``, ``"published"`` or ``"measured"``: the first word of :attr:`source`."""
+        return self.source.split(" ", 1)[0]
 
     def utilization(self, achieved_flops_per_s: float) -> float:
         """``achieved / peak``: the MFU of a step that ran ``achieved_flops_per_s`` model FLOP/s on one device.
 
-        Not capped: above 1 against a published peak means over-counted FLOPs or a wrong figure, and tests
-        fail on it.
+        Not capped: above 1 is a measurement problem to report (:meth:`excess_note`), not a value to clip.
         """
         return achieved_flops_per_s / self.flops_per_s
 
-    def observe(self, achieved_flops_per_s: float) -> bool:
-        """A measured peak below a step's achieved rate was measured on a busy machine: measure it again and
-        keep the best of that and the achieved rate (both are lower bounds of the device's peak).
+    def excess_note(self, achieved_flops_per_s: float) -> str | None:
+        """One line saying what a step that achieved more than the peak means for this peak's source; None
+        when ``achieved_flops_per_s`` is within the peak.
 
-        Returns:
-            Whether the peak was raised.
+        E.g. ``"step achieved 0.0123 TFLOP/s above the measured peak 0.0101 (measured fp32 on cpu): the
+        peak measurement was disturbed (...)"``.
         """
-        if self.remeasure is None or achieved_flops_per_s <= self.flops_per_s:
-            return False
-        self.flops_per_s = max(self.remeasure(), achieved_flops_per_s, self.flops_per_s)
-        if not self.source.endswith(")"):
-            self.source += " (raised by a step that ran faster than the first measurement)"
-        return True
+        if achieved_flops_per_s <= self.flops_per_s:
+            return None
+        head = f"step achieved {achieved_flops_per_s / 1e12:.4g} TFLOP/s above the {self.kind} peak " \
+               f"{self.flops_per_s / 1e12:.4g} ({self.source}): "
+        if self.kind == "measured":
+            return head + ("the peak measurement was disturbed (the machine was busier at start-up than now) or "
+                           "FLOPs are over-counted; mfu is reported as computed; log.peak_tflops sets the peak")
+        if self.kind == "published":
+            return head + "FLOPs are over-counted or the figure is wrong; mfu is reported as computed"
+        return head + "log.peak_tflops is below what this device runs, or FLOPs are over-counted; mfu is " \
+                      "reported as computed"
 
 
 def device_name(device: torch.device) -> str:
@@ -165,43 +172,54 @@ def _fastest_call(n: int, dtype: torch.dtype, device: torch.device, layout: str,
 
 
 def measure_layout_rates(dtype: torch.dtype, device: torch.device, *, max_call_s: float = 0.03,
-                         window_s: float = 0.005, cache: bool = True) -> dict[str, float]:
+                         window_s: float = 0.005, repeats: int = 3, cache: bool = True) -> dict[str, float]:
     """Best achieved FLOP/s of ``dtype`` matmuls on ``device`` with this process's threads, per layout of
     :data:`_LAYOUTS` (``"nt"``, ``"nn"``, ``"tn"``): on CPUs without native bf16/fp16 instructions they
     differ by 10x and more.
 
     Each layout is timed at square sizes doubling from 64 (CPU) or 1024 (CUDA): up to 256 (CUDA 4096) at
     least, then on while the rate still improves (two sizes without a 2% gain end it) and the next size's
-    one call should take under ``max_call_s``. On a CPU one dtype takes ~0.1-0.4 s.
+    one call should take under ``max_call_s``. Then each layout's best size is timed again in
+    ``repeats - 1`` further rounds, round-robin over the layouts (a burst of load from elsewhere during
+    one round does not hide the peak), and its best over all repetitions is kept. On a CPU one dtype takes
+    ~0.1-0.5 s.
 
     Args:
         dtype: a floating dtype ``torch.matmul`` supports on ``device`` (fp32, bf16, fp16, ...).
         device: where to measure.
         max_call_s: the longest single call (n^3 work: 8x the previous size's) a size past the minimum may take.
         window_s: time spent on repeated calls of one size and layout (at least two are timed).
+        repeats: timings of each layout's best size, the size sweep's included (>= 1).
         cache: reuse this process's earlier measurement of the same dtype, device and thread count.
 
     Raises:
         RuntimeError: from torch when ``dtype`` has no matmul on ``device``.
+        ValueError: ``repeats`` < 1.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
     key = (dtype, str(device), torch.get_num_threads())
     if cache and key in _MEASURED:
         return dict(_MEASURED[key])
     start, least, largest = (1024, 4096, 8192) if device.type == "cuda" else (64, 256, 4096)
-    rates = {}
+    rates, sizes = {}, {}
     for layout in _LAYOUTS:
-        n, best, stale = start, 0.0, 0
+        n, best, best_n, stale = start, 0.0, start, 0
         while n <= largest:
             call_s = _fastest_call(n, dtype, device, layout, window_s)
             rate = 2 * n**3 / call_s
             stale = 0 if rate > 1.02 * best else stale + 1
-            best = max(best, rate)
+            if rate > best:
+                best, best_n = rate, n
             # Below `least` only a hopeless next call stops (a call slowed by waiting for busy cores
             # costs far less than its 8x forecast); past it, a stalled rate or a long call does.
             if 8 * call_s > (8 * max_call_s if n < least else max_call_s) or (n >= least and stale >= 2):
                 break
             n *= 2
-        rates[layout] = best
+        rates[layout], sizes[layout] = best, best_n
+    for _ in range(repeats - 1):
+        for layout, n in sizes.items():
+            rates[layout] = max(rates[layout], 2 * n**3 / _fastest_call(n, dtype, device, layout, window_s))
     _MEASURED[key] = rates
     return dict(rates)
 
@@ -220,13 +238,21 @@ def _precision_name(dtype: torch.dtype) -> str:
     return _PRECISION_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def peak_flops(dtype: torch.dtype, device: torch.device) -> PeakFlops:
+def peak_flops(dtype: torch.dtype, device: torch.device, *, configured_tflops: float | None = None) -> PeakFlops:
     """The peak FLOP/s per device that ``mfu`` divides by, for a step whose compute dtype is ``dtype``.
 
-    A CUDA part in :data:`PUBLISHED_TFLOPS` with a figure for ``dtype``: that figure. Otherwise the
-    measured :func:`measure_matmul_peak` of ``dtype``, or of fp32 where fp32 is faster (a reduced-precision
-    step may run some matmuls in fp32, see the module docstring).
+    ``configured_tflops`` (``log.peak_tflops``) when given. Else, a CUDA part in :data:`PUBLISHED_TFLOPS`
+    with a figure for ``dtype``: that figure. Otherwise the measured :func:`measure_matmul_peak` of ``dtype``,
+    or of fp32 where fp32 is faster (a reduced-precision step may run some matmuls in fp32, see the module
+    docstring). Called once, before the first step; the peak is not changed afterwards.
+
+    Raises:
+        ValueError: ``configured_tflops`` <= 0.
     """
+    if configured_tflops is not None:
+        if not configured_tflops > 0:
+            raise ValueError(f"log.peak_tflops={configured_tflops} must be > 0")
+        return PeakFlops(configured_tflops * 1e12, "configured log.peak_tflops")
     if device.type == "cuda":
         published = published_peak(device_name(device), dtype)
         if published is not None:
@@ -234,8 +260,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device) -> PeakFlops:
     candidates = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
     rates = {d: measure_matmul_peak(d, device) for d in candidates}
     fastest = max(candidates, key=lambda d: rates[d])
-    return PeakFlops(rates[fastest], f"measured {_precision_name(fastest)} on {device_name(device)}",
-                     remeasure=lambda: max(measure_matmul_peak(d, device) for d in candidates))
+    return PeakFlops(rates[fastest], f"measured {_precision_name(fastest)} on {device_name(device)}")
 
 
 def matmul_speed_vs_fp32(dtype: torch.dtype, device: torch.device) -> float:
