@@ -129,10 +129,24 @@ class EvalKeys:
     tasks: list[str] = field(default_factory=list)
     """`mg eval` tasks run at every evaluation on the model being trained, as KIND:PATH or NAME=KIND:PATH (mg eval
     --task); each metric is logged as eval/<task>/<metric>."""
+    allow_code_execution: bool = False
+    """Let eval.tasks run the programs the model writes (humaneval tasks; untrusted code, run in subprocesses with
+    a time limit, as mg eval --allow-code-execution). A humaneval task without it is refused at start."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.iters < 0:
             raise ConfigError(f"eval.interval and eval.iters must be >= 0, got {self.interval}, {self.iters}")
+        if not self.allow_code_execution:
+            from mg_cli.evaluation.tasks import parse_task
+
+            for text in self.tasks:
+                try:
+                    kind = parse_task(text).kind
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a malformed entry is reported when the tasks are read
+                if kind == "humaneval":
+                    raise ConfigError(f"eval.tasks: {text} runs the programs the model writes, which are untrusted "
+                                      f"code; set eval.allow_code_execution: true to run them, or remove the task")
 
 
 @dataclass(kw_only=True)

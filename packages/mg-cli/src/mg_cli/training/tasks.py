@@ -45,6 +45,7 @@ class LoopTasks:
         from mg_cli.evaluation.evaluate import Evaluator
         from mg_cli.evaluation.layouts import PipelineRunner
         from mg_cli.evaluation.lm import LMScorer
+        from mg_cli.evaluation.options import EvalOptions
         from mg_cli.evaluation.runner import ModelRunner
         from mg_cli.training.checkpointing import unwrap
 
@@ -56,7 +57,8 @@ class LoopTasks:
         self.runner.grid = grid
         self.model.train()  # the runner switches it to eval mode; it does so again for each evaluation
         scorer = LMScorer(self.runner, run.tokenizer, batch_size=run.config.train.micro_batch_size)
-        self.evaluator = Evaluator(scorer)
+        # eval.allow_code_execution was checked at start (EvalKeys): humaneval tasks run only with it.
+        self.evaluator = Evaluator(scorer, EvalOptions(allow_code_execution=run.config.eval.allow_code_execution))
         self.specs = specs
 
     def __call__(self) -> dict[str, float]:
