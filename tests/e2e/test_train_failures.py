@@ -55,9 +55,12 @@ def test_corrupt_dataset_is_named(corpus, tmp_path):
 
 
 def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
+    """A rank killed mid-run ends the job non-zero in one line naming it; the other rank, whose collective fails,
+    prints nothing of its own failure."""
     args = tiny_args(corpus, tmp_path, iters=100000) + ["--nproc-per-node", "2"]
+    stderr = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=stderr, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not ((tmp_path / "metrics.jsonl").exists() and read_metrics(tmp_path)):
@@ -70,7 +73,12 @@ def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
         code = proc.wait(timeout=180)
         assert code != 0
         assert time.monotonic() - start < 120
+        err = (tmp_path / "stderr.txt").read_text()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[-1] == f"Error: rank 1 (pid {victim}) was killed by SIGKILL", err[-3000:]
+        assert "Traceback" not in err and "FAILED" not in err, err[-3000:]
     finally:
+        stderr.close()
         # The launcher starts workers in sessions of their own: stop every descendant, not just its group.
         for pid in _descendants(proc.pid):
             try:
