@@ -1,5 +1,6 @@
 """mg eval on a checkpoint mg train wrote, as users run it: one process, and tp2 on two processes with the
-same scores (within 1e-6) and the same greedy outputs; a table on the terminal and a JSON report."""
+same scores (within 1e-6) and the same greedy outputs, an lm-evaluation-harness task YAML included; a table on
+the terminal and a JSON report."""
 
 from __future__ import annotations
 
@@ -14,18 +15,29 @@ def test_eval_checkpoint_one_process_and_tp2(corpus, layout_runs, tmp_path):
     _, ckpt, _ = layout_runs.get(1)
     texts = [json.loads(line)["text"][:400] for line in corpus["jsonl"].read_text().splitlines()[:3]]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"context": "def main(", "choices": [")", "self):", "x"],
-                                                           "answer": i % 3}) + "\n" for i in range(3)))
+    contexts = ["def main(", "print(", "if x =="]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"context": c, "choices": [")", "self):", "x"],
+                                                           "answer": i % 3}) + "\n" for i, c in enumerate(contexts)))
     (tmp_path / "s.jsonl").write_text(json.dumps({"input": "import os\n", "target": "import sys"}) + "\n")
+    (tmp_path / "mc.yaml").write_text(json.dumps({  # JSON is YAML
+        "task": "mg_e2e_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "mc.jsonl")}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}", "doc_to_target": "answer", "metric_list": [{"metric": "acc_norm"}]}))
     args = ["eval", "--checkpoint", str(ckpt), "--task", f"perplexity:{tmp_path / 't.jsonl'}",
             "--task", f"perplexity:{corpus['prefix']}", "--task", f"choice:{tmp_path / 'mc.jsonl'}",
-            "--task", f"seq2seq:{tmp_path / 's.jsonl'}", "--limit", "3", "--stride", "16", "--max-new-tokens", "8"]
-    one = mg(*args, "--json", str(tmp_path / "one.json"))
-    assert "bits_per_byte" in one.stdout and "acc_norm" in one.stdout, one.stdout
-    tp2 = mg(*args, "--json", str(tmp_path / "tp2.json"), "--set", "parallel.tp=2", "--nproc-per-node", "2")
+            "--task", f"seq2seq:{tmp_path / 's.jsonl'}", "--harness-task", str(tmp_path / "mc.yaml"),
+            "--limit", "3", "--stride", "16", "--max-new-tokens", "8"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    one = mg(*args, "--json", str(tmp_path / "one.json"), env=env)
+    assert "bits_per_byte" in one.stdout and "acc_norm" in one.stdout and "harness/mg_e2e_mc" in one.stdout, one.stdout
+    tp2 = mg(*args, "--json", str(tmp_path / "tp2.json"), "--set", "parallel.tp=2", "--nproc-per-node", "2", env=env)
     assert "tp=2 pp=1 dp=1 (2 processes)" in tp2.stdout, tp2.stdout
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp2"))
     assert a["results"][1]["num_examples"] == 3 and a["results"][1]["tokens"] > 0
+    # the harness's acc_norm over the same three questions is mg's own choice task's
+    assert a["results"][4]["task"] == "harness/mg_e2e_mc" and a["results"][4]["num_examples"] == 3
+    assert a["results"][4]["metrics"]["acc_norm"]["value"] == pytest.approx(a["results"][2]["metrics"]["acc_norm"]["value"])
+    assert len(b["results"]) == len(a["results"])
     for ra, rb in zip(a["results"], b["results"]):
         for name, m in ra["metrics"].items():
             assert rb["metrics"][name]["value"] == pytest.approx(m["value"], rel=1e-6, abs=1e-6), (ra["task"], name)

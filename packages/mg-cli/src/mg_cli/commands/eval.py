@@ -35,7 +35,7 @@ def _layout(sets: tuple[str, ...]) -> dict[str, int]:
 @click.option("--checkpoint", required=True, help="mg checkpoint (any layout) or Hugging Face model directory.")
 @click.option("--task", "tasks", multiple=True, help="KIND:PATH (repeat for several tasks).")
 @click.option("--harness-task", "harness_tasks", multiple=True,
-              help="lm-evaluation-harness task name or task YAML file (needs mg-cli[eval]).")
+              help="lm-evaluation-harness task, group or tag name, or task/group YAML file (needs mg-cli[eval]).")
 @click.option("--tokenizer-model", default=None, help="Tokenizer file (default: the checkpoint's; byte: UTF-8 bytes).")
 @click.option("--limit", type=int, default=None, help="Evaluate only the first K examples of each task.")
 @click.option("--batch-size", type=int, default=8, help="Sequences per forward pass (per data-parallel rank).")
@@ -54,7 +54,8 @@ def _layout(sets: tuple[str, ...]) -> dict[str, int]:
 @click.option("--temperature", type=float, default=0.0, help="Humaneval: sampling temperature (0 = greedy).")
 @click.option("--seed", type=int, default=0, help="Sampling seed.")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, help="Humaneval: seconds per program.")
-@click.option("--allow-code-execution", is_flag=True, help="Humaneval: run the generated (untrusted) programs.")
+@click.option("--allow-code-execution", is_flag=True, help="Run untrusted code: humaneval's generated programs, "
+              "and the Python a harness task YAML names (!function, unsafe_code).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32")
 @click.option("--set", "sets", multiple=True, help="Layout: parallel.tp=N, parallel.pp=N.")
 @click.option("--nproc-per-node", type=int, default=1, help="Processes to start (torch.distributed.run).")
@@ -93,6 +94,13 @@ def eval_command(checkpoint: str, tasks: tuple[str, ...], harness_tasks: tuple[s
         from mg_cli.evaluation.execution import CodeExecutionRefused
 
         raise click.ClickException(str(CodeExecutionRefused(next(s.path for s in specs if s.kind == "humaneval"))))
+    if harness_tasks and not launch.under_launcher():  # task files: once, before any process starts
+        from mg_cli.evaluation.harness import check_harness_tasks
+
+        try:
+            check_harness_tasks(harness_tasks, allow_code_execution=allow_code_execution)
+        except (ValueError, ImportError) as e:
+            raise click.ClickException(str(e)) from None
     if nproc_per_node > 1 and not launch.under_launcher():
         argv = sys.argv[sys.argv.index("eval"):] if "eval" in sys.argv else None
         if argv is None:

@@ -9,18 +9,22 @@ Requests are scored by :class:`~mg_cli.evaluation.lm.LMScorer`, which follows th
 conventions (context/continuation split, end-of-document prefix, left truncation, rolling windows),
 so scores agree with the harness's ``hf`` backend on the same weights and tokenizer. The
 ``lm-eval`` package is an optional extra (``pip install 'mg-cli[eval]'``).
+
+Under data parallelism the harness sees one process on every rank (rank 0 of 1): each rank builds
+every document's requests, and the scorer deals them to the dp ranks and gathers the results back
+in order, so every rank holds all responses and computes the same metrics. (The harness's own split,
+rank r of n taking every n-th document, would split the requests a second time.)
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mg_cli.evaluation.lm import LMScorer
 
-__all__ = ["MgLM", "run_harness_tasks"]  # noqa: F822 (MgLM is built on first access, see __getattr__)
+__all__ = ["MgLM", "check_harness_tasks", "run_harness_tasks"]  # noqa: F822 (MgLM is built on first access, see __getattr__)
 
 
 def _lm_eval() -> Any:
@@ -101,11 +105,13 @@ def _make_class() -> type:
 
         @property
         def rank(self) -> int:
-            return self.scorer.runner.dp_rank
+            """0 on every rank: each builds all requests (the scorer spreads them over dp ranks and gathers them)."""
+            return 0
 
         @property
         def world_size(self) -> int:
-            return 1  # the scorer already spreads requests over data-parallel ranks and gathers them
+            """1: the harness does not split documents over ranks (see :attr:`rank`)."""
+            return 1
 
     return MgLM
 
@@ -122,46 +128,88 @@ def __getattr__(name: str) -> Any:  # MgLM subclasses lm_eval's LM, so it is bui
     raise AttributeError(name)
 
 
-def run_harness_tasks(scorer: LMScorer, tasks: Sequence[str], *, limit: int | None = None,
-                      batch_size: int = 8) -> list[dict[str, Any]]:
-    """Run lm-evaluation-harness tasks (names, or YAML files whose directory is added to the task path) on
-    ``scorer``'s model; one result per task in ``mg eval``'s form, metrics as the harness names them.
+def check_harness_tasks(tasks: Sequence[str], *, allow_code_execution: bool = False) -> None:
+    """The checks of :func:`run_harness_tasks` that need no model and no index of the harness's own tasks
+    (``mg eval`` runs them before starting its processes).
 
     Raises:
-        ImportError: lm-eval is not installed. ValueError: an unknown task.
+        ImportError: lm-eval is not installed. ValueError: a task file that cannot be loaded, or one that would
+        run Python without ``allow_code_execution`` (one line naming the file).
+    """
+    _lm_eval()
+    from mg_cli.evaluation.harness_yaml import prepare_tasks
+
+    prepare_tasks(tasks, allow_code_execution=allow_code_execution, with_defaults=False)
+
+
+def run_harness_tasks(scorer: LMScorer, tasks: Sequence[str], *, limit: int | None = None,
+                      batch_size: int = 8, allow_code_execution: bool = False) -> list[dict[str, Any]]:
+    """Run lm-evaluation-harness tasks (names, or task/group YAML files, read by the harness's loader, whose
+    directories are added to the task path) on ``scorer``'s model; one result per task and per group with
+    metrics, in ``mg eval``'s form, metrics as the harness names them. In a ``torch.distributed`` job every
+    rank calls it and gets the same results.
+
+    Raises:
+        ImportError: lm-eval is not installed. ValueError: an unknown task, a task file that cannot be loaded,
+        a task that would run Python (a ``!function``, ``unsafe_code``) without ``allow_code_execution``, or
+        the harness failing to build or run a task (one line).
     """
     lm_eval = _lm_eval()
-    from lm_eval.tasks import TaskManager
+    from mg_cli.evaluation.execution import CodeExecutionRefused
+    from mg_cli.evaluation.harness_yaml import prepare_tasks
 
-    names, include = [], []
-    for t in tasks:
-        if t.endswith((".yaml", ".yml")):
-            p = Path(t)
-            if not p.is_file():
-                raise ValueError(f"--harness-task {t}: no such file")
-            include.append(str(p.resolve().parent))
-            import yaml
-
-            names.append(yaml.safe_load(p.read_text())["task"])
-        else:
-            names.append(t)
-    # Indexing the harness's own task folders takes tens of seconds; skip it when only files are named.
-    manager = TaskManager(include_path=include or None, include_defaults=len(include) < len(names))
+    specs, manager = prepare_tasks(tasks, allow_code_execution=allow_code_execution)
     lm = __getattr__("MgLM")(scorer)
-    out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                  batch_size=batch_size, bootstrap_iters=0, log_samples=False)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit,
+                                      batch_size=batch_size, bootstrap_iters=0, log_samples=False,
+                                      confirm_run_unsafe_code=allow_code_execution)
+    except (ValueError, KeyError, OSError, ImportError, AttributeError, TypeError) as e:
+        text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()
+        if "marked as unsafe" in (text[0] if text else ""):
+            raise CodeExecutionRefused(", ".join(tasks), "a task marked unsafe_code runs the programs the model "
+                                                         "writes") from None
+        raise ValueError(f"--harness-task {', '.join(tasks)}: {text[0] if text else type(e).__name__}") from None
+    # The harness returns results on the process with LOCAL_RANK 0 only; every rank computed the same ones.
+    return _from_rank0(_results(out) if out is not None else None)
+
+
+def _results(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """``mg eval`` results from the harness's: each task and each group with metrics, in the harness's order."""
+    samples = out.get("n-samples", {})
+    subtasks = out.get("group_subtasks", {})
+
+    def examples(name: str) -> int:
+        if name in samples:
+            n = samples[name]
+            return int(n.get("effective", n.get("original", 0)))
+        return sum(examples(t) for t in subtasks.get(name, ()))
+
     results = []
-    for name in names:
-        r = out["results"][name]
+    for name, r in out["results"].items():
         metrics = {}
         for key, value in r.items():
             metric, _, flt = key.partition(",")
-            if metric.endswith("_stderr") or metric == "alias" or not isinstance(value, (int, float)):
+            if metric.endswith("_stderr") or metric in ("alias", "name", "sample_len", "sample_count") \
+                    or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             stderr = r.get(f"{metric}_stderr,{flt}")
-            metrics[metric] = {"value": float(value),
-                               "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
-        n = out.get("n-samples", {}).get(name, {})
-        results.append({"task": f"harness/{name}", "kind": "harness", "file": name,
-                        "num_examples": int(n.get("effective", n.get("original", 0))), "metrics": metrics})
+            metrics[metric if flt in ("none", "") else f"{metric},{flt}"] = {
+                "value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+        if metrics:
+            results.append({"task": f"harness/{name}", "kind": "harness", "file": name,
+                            "num_examples": examples(name), "metrics": metrics})
+    return results
+
+
+def _from_rank0(results: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Rank 0's results on every rank of the default process group (this process's own without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [results]
+        dist.broadcast_object_list(box, src=0)
+        results = box[0]
+    if results is None:
+        raise RuntimeError("lm-evaluation-harness returned no results on rank 0")
     return results

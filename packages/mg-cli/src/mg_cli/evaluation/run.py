@@ -73,7 +73,8 @@ def run_eval(checkpoint: str | os.PathLike[str], tasks: Sequence[TaskSpec], opti
     if harness_tasks:
         from mg_cli.evaluation.harness import run_harness_tasks
 
-        results += run_harness_tasks(scorer, harness_tasks, limit=options.limit, batch_size=batch_size)
+        results += run_harness_tasks(scorer, harness_tasks, limit=options.limit, batch_size=batch_size,
+                                     allow_code_execution=options.allow_code_execution)
     return {"checkpoint": os.fspath(checkpoint), "tokenizer": str(tokenizer_model),
             "layout": {k: info[k] for k in ("tp", "pp", "dp", "processes")}, "dtype": dtype,
             "model_config": runner.config.to_dict() if hasattr(runner.config, "to_dict") else str(runner.config),
