@@ -46,11 +46,13 @@ def run_training(config: RunConfig, *, resume: bool = False, stop: SignalFlag | 
         stop = SignalFlag(usr1_continues=config.checkpoint.on_signal == "save_and_continue").install()
     init_distributed(env)
     from mg_ckpt import CheckpointError, CheckpointSaver
+    from mg_cli.training.allocator import keep_freed_memory
+    from mg_parallel.device import cuda_usable
 
     try:
         # Collective (creates the checkpoint group). Leaving the block waits for a background save and
         # raises its error; when the run itself failed, that error is only a warning.
-        with CheckpointSaver() as saver:
+        with keep_freed_memory(not cuda_usable()), CheckpointSaver() as saver:
             return _train(config, env, plan, load_path, stop, saver)
     except CheckpointError as e:
         raise TrainingError(f"checkpoint.save: {str(e).splitlines()[0]}") from None
