@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mg_cli.config import load_config
+from tests.mg_cli.readme_blocks import shell_lines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "finetune"
 README = EXAMPLES / "README.md"
@@ -24,15 +25,8 @@ EXPECTED = {  # config: (model.type, data.format, checkpoint.init_from from this
 
 
 def _commands() -> list[list[str]]:
-    """Every shell command of the README's code blocks, continuation lines joined, split as the shell does."""
-    lines, block = [], None  # block: the language of the open fence ("" for plain, which holds commands)
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            block = line[3:].strip() if block is None else None
-        elif block in ("", "sh", "bash"):
-            lines.append(line)
-    text = "\n".join(lines).replace("\\\n", " ")
-    return [shlex.split(line, comments=True) for line in text.splitlines() if line.strip()]
+    """Every shell command of the README's code blocks, split as the shell does."""
+    return [shlex.split(line, comments=True) for line in shell_lines(README)]
 
 
 def _train_commands() -> dict[str, list[list[str]]]:

@@ -12,22 +12,15 @@ from pathlib import Path
 import pytest
 
 from mg_cli.config import load_config
+from tests.mg_cli.readme_blocks import shell_lines
 
 REPO = Path(__file__).resolve().parents[2]
 READMES = [REPO / "README.md", *sorted((REPO / "packages").glob("*/README.md"))]
 
 
 def _commands(readme: Path) -> list[list[str]]:
-    """Every ``mg`` or ``python`` command of the README's plain or shell code blocks, continuation lines joined
-    (the blocks also hold outputs and file listings)."""
-    lines, block = [], None  # block: the language of the open fence ("" for plain, which holds commands)
-    for line in readme.read_text().splitlines():
-        if line.startswith("```"):
-            block = line[3:].strip() if block is None else None
-        elif block in ("", "sh", "bash"):
-            lines.append(line)
-    text = "\n".join(lines).replace("\\\n", " ")
-    return [shlex.split(line, comments=True) for line in text.splitlines() if line.startswith(("mg ", "python "))]
+    """Every ``mg`` or ``python`` command of the README's code blocks, split as the shell does."""
+    return [shlex.split(line, comments=True) for line in shell_lines(readme) if line.startswith(("mg ", "python "))]
 
 
 def _train_commands() -> list[tuple[str, list[str]]]:
