@@ -135,7 +135,7 @@ def test_two_savers_do_not_share_state(tmp_path, fault_hook):
         with pytest.raises(CheckpointError, match="a failed"):
             a.wait()
         # The convenience path's default saver is a third, separate one.
-        assert save_mod._default is not a and save_mod._default is not b
+        assert save_mod._PROCESS.default is not a and save_mod._PROCESS.default is not b
     finally:
         release.set()
         a.close()

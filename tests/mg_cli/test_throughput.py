@@ -149,7 +149,6 @@ def test_measured_peak_is_the_best_of_repetitions(monkeypatch):
         return 2 * n**3 / flops_per_s * slowdown
 
     monkeypatch.setattr(throughput, "_fastest_call", fake_call)
-    monkeypatch.setattr(throughput, "_MEASURED", {})
     once = throughput.measure_layout_rates(torch.float32, CPU, cache=False, repeats=1)
     sweep = list(calls)
     calls.clear()
@@ -206,8 +205,8 @@ def _mlp_step_flops_per_s(dtype: torch.dtype, tokens: int = 256, hidden: int = 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_measured_peak_bounds_a_matmul_heavy_step(monkeypatch, dtype):
-    monkeypatch.setattr(throughput, "_MEASURED", {})
+def test_measured_peak_bounds_a_matmul_heavy_step(dtype):
+    throughput._measured_once.cache_clear()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a one-thread rate is not at the mercy of other processes holding the cores
     try:

@@ -43,10 +43,12 @@ DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    # dtypes only some torch versions have
+    **{getattr(torch, name): st
+       for name, st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"),
+                        ("uint64", "U64"))
+       if hasattr(torch, name)},
 }
-for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        DTYPE_TO_ST[getattr(torch, _name)] = _st
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 # Names of the files a checkpoint may reference: one path component, no leading dot.

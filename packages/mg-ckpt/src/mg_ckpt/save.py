@@ -68,10 +68,6 @@ CHECKSUM = DEFAULT_CHECKSUM
 
 # Test hook for crash injection: called with the name of each commit step (see _step).
 _fault_hook: Callable[[str], None] | None = None
-# Every saver not yet closed, for the exit handler's last-resort flush only (it owns nothing).
-_OPEN: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
-# The saver of the convenience functions (see default_saver); None until one of them needs it.
-_default: CheckpointSaver | None = None
 
 
 def _step(name: str) -> None:
@@ -183,7 +179,7 @@ class CheckpointSaver:
         self._pending: list[SaveHandle] = []
         self._staging = StagingBuffers()
         self._closed = False
-        _OPEN.add(self)
+        _PROCESS.track(self)
 
     @property
     def group(self) -> ProcessGroup | None:
@@ -290,7 +286,7 @@ class CheckpointSaver:
             self._staging.clear()
             self._closed = True
             self._group = None
-            _OPEN.discard(self)
+            _PROCESS.open.discard(self)
 
     def _forget(self, handle: SaveHandle) -> None:
         if handle in self._pending:
@@ -452,13 +448,13 @@ def default_saver() -> CheckpointSaver:
     Raises:
         CheckpointError: a pending save of the replaced default saver failed.
     """
-    global _default
-    if _default is not None and (_default.closed or _default._world is not _dist.world()):
-        old, _default = _default, None
+    old = _PROCESS.default
+    if old is not None and (old.closed or old._world is not _dist.world()):
+        _PROCESS.default = None
         old.close()
-    if _default is None:
-        _default = CheckpointSaver()
-    return _default
+    if _PROCESS.default is None:
+        _PROCESS.default = CheckpointSaver()
+    return _PROCESS.default
 
 
 def save_checkpoint(
@@ -490,8 +486,8 @@ def wait_for_snapshot() -> None:
     Call it before modifying saved tensors in place after a ``save_checkpoint(...,
     background_snapshot=True)``, e.g. right before ``optimizer.step()``. Never raises.
     """
-    if _default is not None:
-        _default.wait_for_snapshot()
+    if _PROCESS.default is not None:
+        _PROCESS.default.wait_for_snapshot()
 
 
 def finalize() -> None:
@@ -503,8 +499,8 @@ def finalize() -> None:
     Raises:
         CheckpointError: the first failed pending save (the others are still waited for).
     """
-    if _default is not None:
-        _default.wait()
+    if _PROCESS.default is not None:
+        _PROCESS.default.wait()
 
 
 def release_staging_buffers() -> None:
@@ -513,30 +509,54 @@ def release_staging_buffers() -> None:
     Raises:
         CheckpointError: a pending save failed (the buffers are freed anyway).
     """
-    if _default is not None:
-        _default.release_staging_buffers()
+    if _PROCESS.default is not None:
+        _PROCESS.default.release_staging_buffers()
 
 
-def _flush_at_exit() -> None:
-    """Last resort: wait for the saves of savers nobody closed (or finalized), saying so in one line on stderr."""
-    unclosed = [saver for saver in list(_OPEN) if saver._pending]
-    if not unclosed:
-        return
-    n = sum(len(saver._pending) for saver in unclosed)
-    owned = sum(saver is not _default for saver in unclosed)
-    missed = ([f"CheckpointSaver.close(){f' (on {owned} savers)' if owned > 1 else ''}"] if owned else [])
-    missed += ["mg_ckpt.finalize()"] if any(saver is _default for saver in unclosed) else []
-    print(f"mg-ckpt: {n} checkpoint save{'s' if n > 1 else ''} still pending at exit: {' and '.join(missed)} "
-          f"{'were' if len(missed) > 1 else 'was'} not called; waiting for {'them' if n > 1 else 'it'} now",
-          file=sys.stderr, flush=True)
-    first: CheckpointError | None = None
-    for saver in unclosed:
-        try:
-            saver.close()
-        except CheckpointError as e:
-            first = first or e
-    if first is not None:
-        raise first
+class _ProcessSavers:
+    """What mg-ckpt keeps for the whole process, in one object: the default saver of the convenience functions
+    (None until one of them needs it, see :func:`default_saver`) and a weak view of every saver not yet closed,
+    for the exit handler's last-resort flush only (it owns nothing). The exit handler is registered when the
+    first saver is created, not at import."""
+
+    def __init__(self) -> None:
+        self.default: CheckpointSaver | None = None
+        self.open: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._exit_handler_registered = False
+
+    def track(self, saver: CheckpointSaver) -> None:
+        """Remember ``saver`` until it is closed or collected; registers the exit handler on first use."""
+        with self._lock:
+            if not self._exit_handler_registered:
+                atexit.register(self.flush_at_exit)
+                self._exit_handler_registered = True
+            self.open.add(saver)
+
+    def flush_at_exit(self) -> None:
+        """Last resort: wait for the saves of savers nobody closed (or finalized), saying so in one line on stderr.
+
+        Raises:
+            CheckpointError: the first failed save among them (every one is waited for).
+        """
+        unclosed = [saver for saver in list(self.open) if saver._pending]
+        if not unclosed:
+            return
+        n = sum(len(saver._pending) for saver in unclosed)
+        owned = sum(saver is not self.default for saver in unclosed)
+        missed = ([f"CheckpointSaver.close(){f' (on {owned} savers)' if owned > 1 else ''}"] if owned else [])
+        missed += ["mg_ckpt.finalize()"] if any(saver is self.default for saver in unclosed) else []
+        print(f"mg-ckpt: {n} checkpoint save{'s' if n > 1 else ''} still pending at exit: {' and '.join(missed)} "
+              f"{'were' if len(missed) > 1 else 'was'} not called; waiting for {'them' if n > 1 else 'it'} now",
+              file=sys.stderr, flush=True)
+        first: CheckpointError | None = None
+        for saver in unclosed:
+            try:
+                saver.close()
+            except CheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
-atexit.register(_flush_at_exit)
+_PROCESS = _ProcessSavers()

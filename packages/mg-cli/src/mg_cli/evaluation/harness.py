@@ -18,6 +18,7 @@ rank r of n taking every n-th document, would split the requests a second time.)
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -81,6 +82,7 @@ class _MgLMMixin:
         return out
 
 
+@functools.cache  # one class: every `MgLM` names the same one
 def _make_class() -> type:
     class MgLM(_MgLMMixin, _base()):
         """lm-evaluation-harness ``LM`` over an mg model (any layout) and its tokenizer."""
@@ -116,15 +118,9 @@ def _make_class() -> type:
     return MgLM
 
 
-_CLASS: type | None = None
-
-
 def __getattr__(name: str) -> Any:  # MgLM subclasses lm_eval's LM, so it is built when first asked for
-    global _CLASS
     if name == "MgLM":
-        if _CLASS is None:
-            _CLASS = _make_class()
-        return _CLASS
+        return _make_class()
     raise AttributeError(name)
 
 

@@ -21,11 +21,13 @@ figure or over-counted FLOPs), which :meth:`PeakFlops.excess_note` describes in 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -146,7 +148,6 @@ _LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "nn": lambda a, b: a @ b,
     "tn": lambda a, b: a.t() @ b,
 }
-_MEASURED: dict[tuple[torch.dtype, str, int], dict[str, float]] = {}
 
 
 def _sync(device: torch.device) -> None:
@@ -190,7 +191,7 @@ def measure_layout_rates(dtype: torch.dtype, device: torch.device, *, max_call_s
         max_call_s: the longest single call (n^3 work: 8x the previous size's) a size past the minimum may take.
         window_s: time spent on repeated calls of one size and layout (at least two are timed).
         repeats: timings of each layout's best size, the size sweep's included (>= 1).
-        cache: reuse this process's earlier measurement of the same dtype, device and thread count.
+        cache: reuse this process's earlier measurement with the same arguments and thread count.
 
     Raises:
         RuntimeError: from torch when ``dtype`` has no matmul on ``device``.
@@ -198,9 +199,20 @@ def measure_layout_rates(dtype: torch.dtype, device: torch.device, *, max_call_s
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
-    key = (dtype, str(device), torch.get_num_threads())
-    if cache and key in _MEASURED:
-        return dict(_MEASURED[key])
+    measure = _measured_once if cache else _measure_layout_rates
+    return dict(measure(dtype, device, torch.get_num_threads(), max_call_s, window_s, repeats))
+
+
+@functools.cache
+def _measured_once(dtype: torch.dtype, device: torch.device, threads: int, max_call_s: float, window_s: float,
+                   repeats: int) -> Mapping[str, float]:
+    """:func:`_measure_layout_rates`, once per process for each set of arguments (read-only)."""
+    return MappingProxyType(_measure_layout_rates(dtype, device, threads, max_call_s, window_s, repeats))
+
+
+def _measure_layout_rates(dtype: torch.dtype, device: torch.device, threads: int, max_call_s: float,
+                          window_s: float, repeats: int) -> dict[str, float]:
+    """:func:`measure_layout_rates` without the cache (``threads``: the thread count it runs with, a cache key)."""
     start, least, largest = (1024, 4096, 8192) if device.type == "cuda" else (64, 256, 4096)
     rates, sizes = {}, {}
     for layout in _LAYOUTS:
@@ -220,8 +232,7 @@ def measure_layout_rates(dtype: torch.dtype, device: torch.device, *, max_call_s
     for _ in range(repeats - 1):
         for layout, n in sizes.items():
             rates[layout] = max(rates[layout], 2 * n**3 / _fastest_call(n, dtype, device, layout, window_s))
-    _MEASURED[key] = rates
-    return dict(rates)
+    return rates
 
 
 def measure_matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
