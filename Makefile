@@ -24,8 +24,12 @@ test: $(STAMP)
 	$(MAKE) test-packages
 	$(MAKE) test-e2e
 
+# Style and size (ruff), import contracts (import-linter, pyproject.toml) and the architecture rules
+# read from the source (tests/architecture): a few seconds in all.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/architecture
 
 # Each package alone: its wheel in a fresh venv with only its declared dependencies.
 test-packages: $(STAMP)
