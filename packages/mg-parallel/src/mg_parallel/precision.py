@@ -3,18 +3,25 @@
 mg trains with fp32 main parameters (the optimizer's copies, and its Adam moments) and keeps the
 model's own parameters, and so its matmuls and activations, in the policy's dtype:
 
-========  ===========  =============  ==================  =================  ============
-name      param dtype  compute dtype  grad-reduce dtype   main-param dtype   loss scaler
-========  ===========  =============  ==================  =================  ============
-``fp32``  float32      float32        float32             float32            none
-``bf16``  bfloat16     bfloat16       float32             float32            none
-``fp16``  float16      float16        float32             float32            dynamic (or constant)
-========  ===========  =============  ==================  =================  ============
+========  ===========  =============  ==================  =================  =====================  ===========
+name      param dtype  compute dtype  grad-reduce dtype   main-param dtype   loss scaler            GEMM recipe
+========  ===========  =============  ==================  =================  =====================  ===========
+``fp32``  float32      float32        float32             float32            none                   plain
+``bf16``  bfloat16     bfloat16       float32             float32            none                   plain
+``fp16``  float16      float16        float32             float32            dynamic (or constant)  plain
+========  ===========  =============  ==================  =================  =====================  ===========
 
 Gradients are accumulated and reduced over data parallelism in fp32 for bf16/fp16: summing many
 micro-batches and ranks in 8 (bf16) or 11 (fp16) mantissa bits loses the small updates. fp16 needs
 a loss scaler because its range ends at 65504 and small gradients underflow to zero; bf16 has
 fp32's range and needs none.
+
+The GEMM recipe (``precision.gemm``, a :class:`~mg_parallel.gemm.Gemm`) is how the layers' matmuls
+are computed. Every policy defaults to the plain one (``F.linear``/``torch.mm``/``torch._grouped_mm``
+in the compute dtype); a policy with another recipe (fp8 with scaling, say) is
+``Precision.from_name("bf16", gemm=MyRecipe())``. The policy does not reach into a model by itself:
+whoever builds the model applies it with ``use_gemm(model, precision.gemm)`` (layers take the recipe at
+construction too, ``gemm=``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 
 if TYPE_CHECKING:
     from mg_parallel.optimizer.loss_scaler import LossScaler
@@ -49,10 +58,12 @@ class Precision:
     """dtype of DDP's gradient buffers, in which gradients accumulate and are reduced over dp."""
     main_param_dtype: torch.dtype
     """dtype of the optimizer's main parameters and Adam moments."""
+    gemm: Gemm = PLAIN_GEMM
+    """GEMM recipe of the layers' matmuls (apply it with :func:`mg_parallel.gemm.use_gemm`)."""
 
     @classmethod
-    def from_name(cls, name: str) -> Precision:
-        """The policy called ``name``.
+    def from_name(cls, name: str, *, gemm: Gemm = PLAIN_GEMM) -> Precision:
+        """The policy called ``name``, its matmuls computed by ``gemm`` (default: the plain recipe).
 
         Raises:
             ValueError: ``name`` is not one of :data:`PRECISION_NAMES` (the message lists them).
@@ -61,7 +72,7 @@ class Precision:
             raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(PRECISION_NAMES)}")
         dtype = _PARAM_DTYPES[name]
         return cls(name=name, param_dtype=dtype, compute_dtype=dtype, grad_reduce_dtype=torch.float32,
-                   main_param_dtype=torch.float32)
+                   main_param_dtype=torch.float32, gemm=gemm)
 
     @classmethod
     def resolve(cls, precision: Precision | str) -> Precision:

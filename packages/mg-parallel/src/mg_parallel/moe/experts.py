@@ -20,7 +20,9 @@ and sizes, checked once with a tiny probe); ``loop`` runs one matmul per expert,
 output and, in backward, straight into one weight-gradient tensor, and for SwiGLU runs each
 expert's whole MLP before the next one's (:class:`_LoopedSwiGLU`). It is the CPU's choice: there
 ``_grouped_mm`` runs one group at a time, and the loop measured 1.1x faster at Mixtral's shape.
-An expert that receives no token gets a zero gradient on either path.
+An expert that receives no token gets a zero gradient on either path. Every matmul of both paths, forward
+and backward, is the layer's GEMM recipe's (``self.gemm``: ``grouped_mm``, or ``mm`` per expert; see
+:mod:`mg_parallel.gemm`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_parallel.collectives import all_reduce_coalesced
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.params import grad_of, unique_params
 from mg_parallel.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
@@ -86,24 +89,25 @@ class _LoopedMM(torch.autograd.Function):
     expert's weight gradient straight into one ``[E, in, out]`` tensor (no stack, zeros for idle experts)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, splits: list[int], gemm: Gemm) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        ctx.splits = splits
+        ctx.splits, ctx.gemm = splits, gemm
         out = x.new_empty((x.shape[0], w.shape[-1]))
         for xe, we, oe in zip(x.split(splits), w.unbind(0), out.split(splits)):
-            torch.mm(xe, we, out=oe)
+            gemm.mm(xe, we, out=oe)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, w = ctx.saved_tensors
+        gemm = ctx.gemm
         grad = grad.contiguous()
         grad_x, grad_w = torch.empty_like(x), torch.empty_like(w)
         for xe, we, ge, gxe, gwe in zip(x.split(ctx.splits), w.unbind(0), grad.split(ctx.splits),
                                         grad_x.split(ctx.splits), grad_w.unbind(0)):
-            torch.mm(ge, we.t(), out=gxe)
-            torch.mm(xe.t(), ge, out=gwe)  # an expert without rows: a zero gradient
-        return grad_x, grad_w, None
+            gemm.mm(ge, we.t(), out=gxe)
+            gemm.mm(xe.t(), ge, out=gwe)  # an expert without rows: a zero gradient
+        return grad_x, grad_w, None, None
 
 
 class _LoopedSwiGLU(torch.autograd.Function):
@@ -118,34 +122,36 @@ class _LoopedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, splits: list[int], gemm: Gemm
+                ) -> torch.Tensor:
         out = x.new_empty((x.shape[0], w2.shape[-1]))
         saved = []
         for xe, w1e, w2e, oe in zip(x.split(splits), w1.unbind(0), w2.unbind(0), out.split(splits)):
-            he = torch.mm(xe, w1e)
+            he = gemm.mm(xe, w1e)
             gate, up = he.chunk(2, -1)
             ae = F.silu(gate).mul_(up)
-            torch.mm(ae, w2e, out=oe)
+            gemm.mm(ae, w2e, out=oe)
             saved += [he, ae]
         ctx.save_for_backward(x, w1, w2, *saved)
-        ctx.splits = splits
+        ctx.splits, ctx.gemm = splits, gemm
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, w1, w2, *saved = ctx.saved_tensors
+        gemm = ctx.gemm
         grad = grad.contiguous()
         grad_x, grad_w1, grad_w2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
         blocks = zip(x.split(ctx.splits), grad.split(ctx.splits), grad_x.split(ctx.splits), w1.unbind(0),
                      w2.unbind(0), grad_w1.unbind(0), grad_w2.unbind(0), saved[0::2], saved[1::2])
         for xe, ge, gxe, w1e, w2e, gw1e, gw2e, he, ae in blocks:
-            torch.mm(ae.t(), ge, out=gw2e)
-            grad_a = torch.mm(ge, w2e.t())
+            gemm.mm(ae.t(), ge, out=gw2e)
+            grad_a = gemm.mm(ge, w2e.t())
             grad_h = torch.empty_like(he)
             _swiglu_backward(he, grad_a, grad_h)
-            torch.mm(xe.t(), grad_h, out=gw1e)
-            torch.mm(grad_h, w1e.t(), out=gxe)
-        return grad_x, grad_w1, grad_w2, None
+            gemm.mm(xe.t(), grad_h, out=gw1e)
+            gemm.mm(grad_h, w1e.t(), out=gxe)
+        return grad_x, grad_w1, grad_w2, None, None
 
 
 def grouped_mm_supported(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -221,6 +227,7 @@ class GroupedExperts(nn.Module):
             every tp rank (tags them ``sequence_parallel``: their gradients are partial sums over tp).
         grouped: force the ``grouped_mm`` (True) or ``loop`` (False) path; None chooses.
         init_method: fills each full ``[N, ...]`` weight (default ``normal(0, 0.02)``) before the slice is kept.
+        gemm: the GEMM recipe of every expert matmul, forward and backward (``self.gemm``).
 
     Raises:
         ValueError: ``ep_size`` does not divide ``num_experts`` (names model.num_experts and parallel.ep),
@@ -231,9 +238,10 @@ class GroupedExperts(nn.Module):
         self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
         ep_size: int = 1, ep_rank: int = 0, tp_group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
         grouped: bool | None = None, init_method: Callable[[torch.Tensor], None] | None = None,
-        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None, gemm: Gemm = PLAIN_GEMM,
     ) -> None:
         super().__init__()
+        self.gemm = gemm
         if num_experts % ep_size != 0:
             raise ValueError(
                 f"model.num_experts={num_experts} is not divisible by parallel.ep={ep_size}; "
@@ -283,8 +291,8 @@ class GroupedExperts(nn.Module):
             w = w.to(x.dtype)
         if self.path == "grouped_mm":
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-        return _LoopedMM.apply(x.contiguous(), w.contiguous(), splits)
+            return _ContiguousGrad.apply(self.gemm.grouped_mm(x, w, offs))
+        return _LoopedMM.apply(x.contiguous(), w.contiguous(), splits, self.gemm)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [M, h]`` grouped by local expert with ``tokens_per_expert [E_local]`` rows each -> ``[M, h]``."""
@@ -293,7 +301,7 @@ class GroupedExperts(nn.Module):
         w1 = self.w1.flatten(2)  # [E, h, 2f] for SwiGLU: gate columns then up columns
         if self.path == "loop" and self.activation == "swiglu":
             w1, w2 = (w.to(x.dtype).contiguous() for w in (w1, self.w2))  # e.g. under autocast
-            y = _LoopedSwiGLU.apply(x.contiguous(), w1, w2, splits)
+            y = _LoopedSwiGLU.apply(x.contiguous(), w1, w2, splits, self.gemm)
         else:
             h = self._mm(x, w1, tokens_per_expert, splits)
             h = _SwiGLU.apply(h) if self.activation == "swiglu" else F.gelu(h)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.moe.config import MoEConfig
 from mg_parallel.moe.dispatcher import build_dispatcher
 from mg_parallel.moe.experts import GroupedExperts
@@ -20,6 +21,18 @@ from mg_parallel.tensor_parallel.mappings import (
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = ["MoEGroups", "MoELayer", "moe_losses"]
+
+
+class _SharedGate(nn.Linear):
+    """The shared expert's gate ``[1, h]``: an ``nn.Linear`` whose matmul is its GEMM recipe's ``linear``."""
+
+    def __init__(self, in_features: int, out_features: int, *, gemm: Gemm, **kw: object) -> None:
+        super().__init__(in_features, out_features, **kw)
+        self.gemm = gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [*, h] -> [*, 1]``."""
+        return self.gemm.linear(x, self.weight, self.bias)
 
 
 @dataclass(kw_only=True)
@@ -75,6 +88,8 @@ class MoELayer(nn.Module):
         groups: explicit :class:`MoEGroups` instead of ``grid``; neither: one process.
         init_method: fills each full expert weight ``[N, ...]`` (default ``normal(0, 0.02)``).
         dtype, device: of every parameter.
+        gemm: the GEMM recipe of the router, the experts and the shared expert and its gate (each holds it
+            as ``gemm``; :func:`~mg_parallel.gemm.use_gemm` changes them later).
 
     Raises:
         ValueError: ep does not divide ``num_experts`` (names model.num_experts and parallel.ep), etp
@@ -84,7 +99,7 @@ class MoELayer(nn.Module):
     def __init__(
         self, hidden_size: int, ffn_hidden_size: int, num_experts: int, config: MoEConfig, grid: object | None = None,
         *, groups: MoEGroups | None = None, init_method: Callable[[torch.Tensor], None] | None = None,
-        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None, gemm: Gemm = PLAIN_GEMM,
     ) -> None:
         super().__init__()
         if groups is None:
@@ -92,7 +107,7 @@ class MoELayer(nn.Module):
             device = device if device is not None else getattr(grid, "device", None)
         self.groups, self.config, self.num_experts = groups, config, num_experts
         replicated_over_tp_shards = groups.sequence_parallel and not groups.gathers_sequence
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, gemm=gemm)
         self.router = TopKRouter(hidden_size, num_experts, config, seq_groups=groups.seq_groups,
                                  dp_groups=(groups.dp_group,), grad_average_groups=(groups.cp_group, groups.dp_group),
                                  **kw)
@@ -110,7 +125,7 @@ class MoELayer(nn.Module):
             for p in self.shared_experts.parameters():  # the same on every ep rank: a replicated weight
                 p.expert_parallel = False
             if config.moe_shared_expert_gate:
-                self.shared_gate = nn.Linear(hidden_size, 1, bias=False, **kw)
+                self.shared_gate = _SharedGate(hidden_size, 1, bias=False, **kw)
                 nn.init.normal_(self.shared_gate.weight, std=0.02)
                 self.shared_gate.weight.tensor_parallel = False
                 if replicated_over_tp_shards:

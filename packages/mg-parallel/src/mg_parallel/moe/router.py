@@ -41,9 +41,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.moe.config import MoEConfig
 from mg_parallel.tensor_parallel.utils import group_size
 
@@ -90,6 +90,7 @@ class TopKRouter(nn.Module):
         grad_average_groups: those of ``seq_groups`` and ``dp_groups`` over which gradients are averaged
             rather than summed (the layer passes the cp and dp groups).
         dtype, device: of the gate weight ``[N, h]`` (initialised ``normal(0, 0.02)``).
+        gemm: the GEMM recipe of the gate projection (``self.gemm``; see :mod:`mg_parallel.gemm`).
 
     Attributes:
         aux_loss_grad_scale: gradient the auxiliary losses' shares receive in backward (1.0: as if
@@ -103,9 +104,10 @@ class TopKRouter(nn.Module):
     def __init__(
         self, hidden_size: int, num_experts: int, config: MoEConfig, *, seq_groups: Groups = (),
         dp_groups: Groups = (), grad_average_groups: Groups = (), dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str | None = None, gemm: Gemm = PLAIN_GEMM,
     ) -> None:
         super().__init__()
+        self.gemm = gemm
         if config.moe_router_topk > num_experts:
             raise ValueError(
                 f"moe_router_topk={config.moe_router_topk} exceeds model.num_experts={num_experts}; lower topk"
@@ -149,7 +151,7 @@ class TopKRouter(nn.Module):
             ValueError: ``seq_aux_loss`` without ``seq_shape``.
         """
         cfg = self.config
-        logits = F.linear(x, self.weight)  # [T, N]
+        logits = self.gemm.linear(x, self.weight)  # [T, N]
         post_softmax = cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax
         scores = None if post_softmax else self._scores(logits)
         basis = logits if post_softmax else scores

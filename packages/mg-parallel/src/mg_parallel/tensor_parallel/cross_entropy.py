@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = ["chunked_vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy"]
@@ -220,6 +221,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         vocab_size: int,
         chunk: int,
+        gemm: Gemm,
     ) -> torch.Tensor:
         start, n_valid = _real_columns(weight.shape[0], group, vocab_size)
         real = weight[:n_valid]  # padding rows never enter the softmax: no need to project onto them
@@ -228,19 +230,19 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         log_sum_exp = torch.empty_like(loss)
         for lo in range(0, n_tokens, chunk):
             rows = slice(lo, lo + chunk)
-            x = F.linear(hidden[rows], real).float()  # [chunk, n_valid], as the unchunked F.linear then .float()
+            x = gemm.linear(hidden[rows], real).float()  # [chunk, n_valid], as the unchunked F.linear then .float()
             in_range, local_t, ignored = _targets(target[rows], start, n_valid, ignore_index)
             loss[rows], _, max_logit, sum_exp = _softmax_loss(x, in_range, local_t, ignored, group,
                                                               label_smoothing, vocab_size)
             log_sum_exp[rows] = max_logit + sum_exp.log()
         ctx.save_for_backward(hidden, weight, target, log_sum_exp)
-        ctx.args = (start, n_valid, group, label_smoothing, ignore_index, vocab_size, chunk)
+        ctx.args = (start, n_valid, group, label_smoothing, ignore_index, vocab_size, chunk, gemm)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, target, log_sum_exp = ctx.saved_tensors
-        start, n_valid, group, label_smoothing, ignore_index, vocab_size, chunk = ctx.args
+        start, n_valid, group, label_smoothing, ignore_index, vocab_size, chunk, gemm = ctx.args
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         real = weight[:n_valid]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -250,17 +252,17 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         for lo in range(0, hidden.shape[0], chunk):
             rows = slice(lo, lo + chunk)
             h = hidden[rows]
-            probs = F.linear(h, real).float().sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()  # softmax [chunk, n_valid]
+            probs = gemm.linear(h, real).float().sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()  # softmax [chunk, n_valid]
             in_range, local_t, ignored = _targets(target[rows], start, n_valid, ignore_index)
             grad = _logits_grad_(probs, in_range, local_t, ignored, grad_loss[rows], label_smoothing, vocab_size)
             grad = grad.to(hidden.dtype)  # the unchunked path's .float() hands F.linear a gradient of this dtype
             if grad_hidden is not None:
-                grad_hidden[rows] = grad @ real
+                grad_hidden[rows] = gemm.mm(grad, real)
             if grad_weight is not None:
-                grad_weight[:n_valid] += grad.t() @ h
+                grad_weight[:n_valid] += gemm.mm(grad.t(), h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_vocab_parallel_cross_entropy(
@@ -273,6 +275,7 @@ def chunked_vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    gemm: Gemm = PLAIN_GEMM,
 ) -> torch.Tensor:
     """Per-token cross entropy of the logits ``hidden @ weight.T``, computed ``chunk_tokens`` tokens at a time.
 
@@ -301,6 +304,8 @@ def chunked_vocab_parallel_cross_entropy(
         label_smoothing: in ``[0, 1)``; spread over the ``vocab_size`` real classes only.
         chunk_tokens: tokens per chunk (the last chunk may be shorter); larger chunks make fewer, larger
             matmuls and hold ``chunk_tokens * V_padded/tp`` fp32 logits.
+        gemm: the GEMM recipe of the projections (``linear`` for each chunk's logits, forward and
+            recomputed, ``mm`` for the gradients; see :mod:`mg_parallel.gemm`).
 
     Returns:
         float32 loss per token, shape of ``target``, 0 at ignored positions. The gradients of ``hidden``
@@ -327,6 +332,6 @@ def chunked_vocab_parallel_cross_entropy(
         raise ValueError(f"vocab_size={vocab_size} must be in [1, padded vocabulary {padded}]")
     loss = _ChunkedVocabParallelCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), tp_group, float(label_smoothing),
-        ignore_index, padded if vocab_size is None else vocab_size, chunk_tokens,
+        ignore_index, padded if vocab_size is None else vocab_size, chunk_tokens, gemm,
     )
     return loss.view(target.shape)

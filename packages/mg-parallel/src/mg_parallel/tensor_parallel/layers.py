@@ -10,8 +10,11 @@ along the sequence (dim 0 of ``[s, b, h]``): the column-parallel layer all-gathe
 and the row-parallel layer reduce-scatters its output, which moves the same bytes as the
 all-reduce but keeps norms, dropout and residuals on ``s/tp`` tokens per rank.
 
-With a tensor-parallel group of None or of one rank every layer is exactly ``F.linear`` /
-``F.embedding`` on the full weight: no autograd wrapper, no copy.
+With a tensor-parallel group of None or of one rank every layer is exactly its recipe's ``linear``
+(``F.linear`` for the plain recipe) / ``F.embedding`` on the full weight: no autograd wrapper, no copy.
+
+Every matmul of the linear layers, forward and backward, goes through the layer's GEMM recipe
+(``layer.gemm``, a :class:`~mg_parallel.gemm.Gemm`; see :mod:`mg_parallel.gemm`).
 
 Initialisation: a layer builds the FULL weight in fp32 on its device, calls
 ``init_method(full)`` and keeps its shard, so a tp=k model equals the tp=1 model for the same
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_parallel.collectives import all_reduce_coalesced
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.params import grad_of, unique_params
 from mg_parallel.tensor_parallel.mappings import (
     all_gather_dim0,
@@ -103,7 +107,8 @@ def _sharded_weight(
 class _ColumnLinearFn(torch.autograd.Function):
     """Column-parallel matmul with its input communication fused into one autograd node.
 
-    Forward: (all-gather the sequence dim when sequence parallel) then ``x @ W^T + b``.
+    Forward: (all-gather the sequence dim when sequence parallel) then ``x @ W^T + b`` (the recipe's
+    ``linear``); backward: the input and weight gradients with the recipe's ``mm``.
     Backward: the input-gradient collective (all-reduce, or reduce-scatter under sequence
     parallelism) is launched asynchronously and overlapped with the weight-gradient matmul.
     Under sequence parallelism only the local input shard is saved; the full input is
@@ -118,18 +123,20 @@ class _ColumnLinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,
         group: dist.ProcessGroup,
         sequence_parallel: bool,
+        gemm: Gemm,
     ) -> torch.Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
+        ctx.gemm = gemm
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         total = all_gather_dim0(x, group) if sequence_parallel else x
-        return F.linear(total, weight, bias)
+        return gemm.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        group, sp = ctx.group, ctx.sequence_parallel
+        group, sp, gemm = ctx.group, ctx.sequence_parallel, ctx.gemm
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Under autocast the forward matmul ran in a lower precision than the saved tensors:
         # do the backward matmuls in the gradient's dtype and return grads in the inputs' dtypes.
@@ -139,9 +146,11 @@ class _ColumnLinearFn(torch.autograd.Function):
         else:
             total, gather_work = x, None
 
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
         grad_input, work = None, None
         if need_x:
-            grad_input = grad_out.matmul(weight.to(compute))
+            # [s*b, out/tp] @ [out/tp, in] -> [s, b, in] (the fold torch.matmul makes of [s, b, out/tp] @ [out/tp, in])
+            grad_input = gemm.mm(grad_2d, weight.to(compute)).view(*grad_out.shape[:-1], weight.shape[-1])
             if grad_input.dtype != x.dtype:
                 grad_input = grad_input.to(x.dtype)
             if sp:
@@ -156,16 +165,15 @@ class _ColumnLinearFn(torch.autograd.Function):
 
         grad_weight = grad_bias = None
         if need_w or need_b:
-            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
             if need_w:
                 if gather_work is not None:
                     gather_work.wait()
-                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
+                grad_weight = gemm.mm(grad_2d.t(), total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
             if need_b and ctx.bias_dtype is not None:
                 grad_bias = grad_2d.sum(0).to(ctx.bias_dtype)
         if work is not None:
             work.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -184,6 +192,8 @@ class ColumnParallelLinear(nn.Module):
         dtype, device: of the parameters.
         async_grad_allreduce: overlap the input-gradient all-reduce (or reduce-scatter) with
             the weight-gradient matmul in backward.
+        gemm: the GEMM recipe of every matmul here, forward and backward (``self.gemm``; default the
+            plain ``F.linear``/``torch.mm``; :func:`~mg_parallel.gemm.use_gemm` changes it later).
 
     Shapes: input ``[*, in]`` (``[s/tp, b, in]`` with sequence parallelism), output
     ``[*, out/tp]`` or ``[*, out]`` with ``gather_output`` (leading dims ``[s, b]`` under
@@ -207,6 +217,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         async_grad_allreduce: bool = True,
+        gemm: Gemm = PLAIN_GEMM,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -216,6 +227,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.async_grad_allreduce = async_grad_allreduce
+        self.gemm = gemm
         self.out_features_per_rank = divide(out_features, self.tp_size, "ColumnParallelLinear out_features")
         self.weight = _sharded_weight((out_features, in_features), 0, tp_group, init_method, dtype, device)
         set_tensor_parallel(self.weight, 0)
@@ -230,11 +242,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer; see the class docstring for shapes."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.gemm.linear(x, self.weight, self.bias)
         if self.sequence_parallel or self.async_grad_allreduce:
-            y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+            y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, self.gemm)
         else:
-            y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+            y = self.gemm.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y
@@ -265,6 +277,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: reduce-scatter the output to ``[s/tp, b, out]``.
         init_method: fills the full fp32 weight ``[out, in]`` in place (default ``N(0, 0.02^2)``).
         dtype, device: of the parameters.
+        gemm: the GEMM recipe of the matmul (``self.gemm``; default the plain ``F.linear``).
 
     Local weight ``[out, in/tp]``, marked ``tensor_parallel=True``, ``partition_dim=1``; the bias
     ``tensor_parallel=False``.
@@ -286,6 +299,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        gemm: Gemm = PLAIN_GEMM,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -299,6 +313,7 @@ class RowParallelLinear(nn.Module):
         self.tp_size = group_size(tp_group)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.gemm = gemm
         self.in_features_per_rank = divide(in_features, self.tp_size, "RowParallelLinear in_features")
         self.weight = _sharded_weight((out_features, in_features), 1, tp_group, init_method, dtype, device)
         set_tensor_parallel(self.weight, 1)
@@ -313,14 +328,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer: ``[*, in/tp]`` (or ``[*, in]``) -> ``[*, out]`` (``[s/tp, b, out]`` with SP)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.gemm.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = self.gemm.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
-            # F.linear's backward reads its inputs, not its output: reduce the output in place.
+            # A linear's backward reads its inputs, not its output: reduce the output in place.
             y = reduce_from_tp_region(partial, self.tp_group, inplace=True)
         # (cast: under autocast y is in the autocast dtype, as nn.Linear's output would be)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
