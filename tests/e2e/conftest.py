@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,12 +32,22 @@ def stdlib_corpus(out: Path, max_bytes: int) -> Path:
     return out
 
 
+_ZYGOTE = Zygote()
+
+
 def mg(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
-       check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m mg_cli.main ARGS`` and return the completed process (text output)."""
+       check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m mg_cli.main ARGS`` as a process of its own and return it completed (text output).
+
+    The process is forked from a server that has imported torch and mg already (see ``zygote.py``); ``fresh``
+    starts a new interpreter instead."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "mg_cli.main", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    if fresh:
+        proc = subprocess.run([sys.executable, "-m", "mg_cli.main", *args], cwd=cwd, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mg-e2e-") as workdir:
+            proc = _ZYGOTE.run(list(args), full_env, cwd, timeout, Path(workdir))
     if check and proc.returncode != 0:
         raise AssertionError(f"mg {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-5000:]}")
