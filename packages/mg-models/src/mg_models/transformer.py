@@ -14,7 +14,8 @@ from torch import nn
 from mg_models.init import normal_init, scaled_std
 from mg_models.layers import MLP, SelfAttention, SelfAttentionSubmodules, norm_class
 from mg_models.spec import BuildContext, ModuleSpec, build_module
-from mg_parallel.moe import MoEGroups, MoELayer, expert_shard_info, is_expert_param
+from mg_parallel.moe import MoEGroups, MoELayer
+from mg_parallel.tags import global_block
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = ["MoEMLP", "TransformerBlock", "TransformerLayer", "TransformerLayerSubmodules", "gpt_layer_spec"]
@@ -41,18 +42,6 @@ def gpt_layer_spec(ctx: BuildContext, grid: Any = None) -> ModuleSpec:
     moe = ModuleSpec(MoEMLP, params={"grid": grid}) if getattr(ctx.config, "is_moe", False) else None
     return ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=attention, pre_mlp_layernorm=norm, mlp=MLP, moe_mlp=moe))
-
-
-def _global_block(p: torch.Tensor, tp_size: int, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global shape of a parameter of an MoE layer and the offset of this rank's block (experts split over ep, any
-    tagged tensor-parallel dimension over the expert tp group)."""
-    if is_expert_param(p):
-        return expert_shard_info(p, tp_size=tp_size, tp_rank=tp_rank)
-    shape, offset = list(p.shape), [0] * p.dim()
-    if getattr(p, "tensor_parallel", False) and tp_size > 1:
-        d = p.partition_dim
-        offset[d], shape[d] = shape[d] * tp_rank, shape[d] * tp_size
-    return tuple(shape), tuple(offset)
 
 
 class MoEMLP(MoELayer):
@@ -85,7 +74,7 @@ class MoEMLP(MoELayer):
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
-            shape, offset = _global_block(p, tp, tp_rank)
+            shape, offset = global_block(p, tp, tp_rank)
             full = torch.empty(shape, dtype=torch.float32)
             normal_init(ctx.seed, f"{prefix}.{name}", out_std if name.endswith("w2") else c.init_method_std)(full)
             for d, (start, size) in enumerate(zip(offset, p.shape)):

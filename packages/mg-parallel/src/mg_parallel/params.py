@@ -1,7 +1,8 @@
-"""The attributes mg keeps on parameters, read in one place.
+"""A parameter's gradient, and a model's parameters each once.
 
 DDP gives every trainable parameter ``param.main_grad`` (a view into its gradient buffer);
 without DDP the gradient is autograd's ``param.grad``. :func:`grad_of` reads whichever holds it.
+The tags mg keeps on parameters are read in :mod:`mg_parallel.tags`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mg_parallel.tags import main_grad
+
 __all__ = ["grad_of", "unique_params"]
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer uses: ``param.main_grad`` when DDP gave it one, else ``.grad``."""
-    g = getattr(param, "main_grad", None)
+    g = main_grad(param)
     return g if g is not None else param.grad
 
 

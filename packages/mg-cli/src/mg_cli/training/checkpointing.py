@@ -19,7 +19,6 @@ rank, the config) travels as JSON in the checkpoint's ``state``.
 from __future__ import annotations
 
 import base64
-import sys
 from typing import Any
 
 import torch
@@ -27,9 +26,7 @@ import torch.distributed as dist
 
 from mg_ckpt import CheckpointSaver, ShardedTensor, load_checkpoint
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.moe import expert_shard_info, is_expert_param
-from mg_parallel.tensor_parallel import is_tensor_parallel, shard_info
-from mg_parallel.tensor_parallel.utils import group_rank, group_size
+from mg_parallel.tags import fsdp_shard, global_block, is_fsdp, is_pipeline_replicated, param_replicas
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
@@ -54,48 +51,7 @@ def tied_source(module: torch.nn.Module) -> str:
 def is_pipeline_copy(param: torch.Tensor, grid: ProcessGrid) -> bool:
     """A parameter every pipeline stage holds (T5's position bias tables), on a stage other than the first: the
     first stage's copy is the one saved."""
-    return getattr(param, "pipeline_replicated", False) and grid.pp_size > 1 and not grid.is_first_stage
-
-
-def _replicas(param: torch.Tensor, name: str, grid: ProcessGrid, dp_sharded: bool) -> tuple[int, int]:
-    """(replica_rank, num_replicas) of this rank's piece of ``param`` (an untagged parameter is an error at tp > 1)."""
-    tp_sharded = grid.tp_size > 1 and is_tensor_parallel(param, name)
-    rank, count = 0, 1
-    if is_expert_param(param) and grid.ep_size > 1:
-        if not dp_sharded:  # replicated over the ranks holding the same experts (the distributed optimizer shards there)
-            rank, count = group_rank(grid.expert_dp_group), group_size(grid.expert_dp_group)
-    elif is_fsdp(param):  # sharded over dp x cp, replicated across HSDP's groups
-        from mg_parallel.distributed.fsdp import replicas
-
-        rank, count = replicas(param)
-    elif not dp_sharded:  # replicated over dp x cp (the distributed optimizer shards over both)
-        rank, count = grid.cp_rank + grid.cp_size * grid.dp_rank, grid.dp_size * grid.cp_size
-    if not tp_sharded:
-        rank, count = rank * grid.tp_size + grid.tp_rank, count * grid.tp_size
-    return rank, count
-
-
-def global_block(param: torch.Tensor, grid: ProcessGrid, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The global shape of ``param`` and the offset of this rank's block: experts split over ep (and etp), other
-    tensor-parallel weights over tp."""
-    if is_expert_param(param):
-        return expert_shard_info(param, tp_size=grid.tp_size, tp_rank=grid.tp_rank)
-    return shard_info(param, grid, name=name)
-
-
-def is_fsdp(param: torch.Tensor) -> bool:
-    """True for a parameter sharded by FSDP (a DTensor; none exists before FSDP imported their module, which
-    takes about a second, so it is not imported here)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(param, dtensor.DTensor)
-
-
-def _fsdp_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-    """This rank's FSDP shard of ``param`` as a flat tensor sharing its storage, and its flat range."""
-    from mg_parallel.distributed.fsdp import local_flat_range
-
-    with torch.no_grad():
-        return param.to_local().detach().view(-1), local_flat_range(param)
+    return is_pipeline_replicated(param) and grid.pp_size > 1 and not grid.is_first_stage
 
 
 def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool) -> dict[str, ShardedTensor]:
@@ -114,13 +70,13 @@ def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: b
                 if not for_load:
                     continue
                 key = tied_source(module)
-            gshape, goffset = global_block(param, grid, name)
-            r, n = _replicas(param, name, grid, dp_sharded=False)
+            gshape, goffset = global_block(param, grid.tp_size, grid.tp_rank, name=name)
+            r, n = param_replicas(param, grid, dp_sharded=False, name=name)
             if for_load:
                 r, n = 0, 1  # replica bookkeeping only matters when writing
             local, flat_range = param.data, None
             if is_fsdp(param):
-                local, flat_range = _fsdp_shard(param)
+                local, flat_range = fsdp_shard(param)
                 if local.numel() == 0:
                     continue  # a parameter with fewer rows than the shard group: this rank holds none
                 if not for_load and policy is not None and local.dtype != policy.param_dtype:
@@ -181,8 +137,8 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
                 if not for_load:
                     continue
                 key = tied_source(module)
-            gshape, goffset = global_block(param, grid, name)
-            r, n = _replicas(param, name, grid, dp_sharded=distributed)
+            gshape, goffset = global_block(param, grid.tp_size, grid.tp_rank, name=name)
+            r, n = param_replicas(param, grid, dp_sharded=distributed, name=name)
             if for_load:
                 r, n = 0, 1
             lo = int(entry["flat_offset"])

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mg_parallel.tags import is_pipeline_replicated, is_shared_embedding
+
 __all__ = ["Bucket", "GradBuffer", "ParamSlot"]
 
 
@@ -109,7 +111,7 @@ class GradBuffer:
             current, offset, bucket_start = [], end, end
 
         for p in reversed(params):
-            shared = getattr(p, "shared_embedding", False) or getattr(p, "pipeline_replicated", False)
+            shared = is_shared_embedding(p) or is_pipeline_replicated(p)
             if shared:
                 close()
             slots.append((p, offset, offset + p.numel()))

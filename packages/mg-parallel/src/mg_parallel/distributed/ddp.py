@@ -22,6 +22,7 @@ from mg_parallel.collectives import all_gather_into_tensor, reduce_scatter_tenso
 from mg_parallel.distributed.buffers import Bucket, GradBuffer, ensure_bucket, release_bucket
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.precision import Precision
+from mg_parallel.tags import is_expert_parallel
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
 __all__ = ["DistributedDataParallel"]
@@ -107,7 +108,7 @@ class DistributedDataParallel(nn.Module):
         for p in module.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                by_kind.setdefault((experts and bool(getattr(p, "expert_parallel", False)), p.dtype), []).append(p)
+                by_kind.setdefault((experts and is_expert_parallel(p), p.dtype), []).append(p)
         device = next(iter(module.parameters())).device if seen else grid.device
         self.buffers: list[GradBuffer] = []
         self._comm_of: dict[int, _Comm] = {}  # id(bucket) -> the group it is reduced over

@@ -37,6 +37,7 @@ from mg_parallel.distributed.fsdp_mesh import check_fsdp, data_parallel_rank_lis
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer.clip import clip_grads, counts_in_norm, global_grad_norm
 from mg_parallel.precision import Precision
+from mg_parallel.tags import is_sequence_parallel, is_shared_embedding
 
 __all__ = [
     "FullyShardedChunk",
@@ -309,10 +310,10 @@ def finalize_fsdp_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid) ->
                 seen.add(id(p))
                 params.append(p)
     if grid.tp_size > 1:
-        all_reduce_coalesced([local_tensor(p.grad) for p in params if getattr(p, "sequence_parallel", False)],
+        all_reduce_coalesced([local_tensor(p.grad) for p in params if is_sequence_parallel(p)],
                              grid.tp_group)
     if grid.embedding_group is not None and (grid.is_first_stage or grid.is_last_stage):
-        all_reduce_coalesced([local_tensor(p.grad) for p in params if getattr(p, "shared_embedding", False)],
+        all_reduce_coalesced([local_tensor(p.grad) for p in params if is_shared_embedding(p)],
                              grid.embedding_group)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from mg_parallel.collectives import all_reduce_coalesced
 from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.params import grad_of, unique_params
+from mg_parallel.tags import expert_layout, global_block, is_expert_parallel, set_expert_parallel
 from mg_parallel.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from mg_parallel.tensor_parallel.utils import group_rank, group_size
 
@@ -172,27 +173,23 @@ def grouped_mm_supported(in_features: int, out_features: int, dtype: torch.dtype
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    """True for the weights of :class:`GroupedExperts` (split over the ep group, not replicated over dp)."""
-    return bool(getattr(param, "expert_parallel", False))
+    """True for the weights of :class:`GroupedExperts` (split over the ep group, not replicated over dp);
+    :func:`mg_parallel.tags.is_expert_parallel`."""
+    return is_expert_parallel(param)
 
 
 def expert_shard_info(param: torch.Tensor, *, tp_size: int = 1, tp_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The global shape of an expert parameter and the offset of this rank's block in it.
 
     Dim 0 (experts) is scaled to ``param.num_experts`` at offset ``param.ep_rank * E_local``; a
-    parameter tagged ``tensor_parallel`` is also scaled by ``tp_size`` along ``param.partition_dim``.
+    parameter tagged ``tensor_parallel`` is also scaled by ``tp_size`` along ``param.partition_dim``
+    (:func:`mg_parallel.tags.global_block` of an expert parameter).
 
     Raises:
         ValueError: ``param`` is not an expert parameter (see :func:`is_expert_param`).
     """
-    if not is_expert_param(param):
-        raise ValueError(f"a parameter of shape {list(param.shape)} is not an expert parameter (no expert_parallel tag)")
-    shape, offset = list(param.shape), [0] * param.dim()
-    offset[0], shape[0] = param.ep_rank * shape[0], param.num_experts
-    if getattr(param, "tensor_parallel", False) and tp_size > 1:
-        d = param.partition_dim
-        offset[d], shape[d] = shape[d] * tp_rank, shape[d] * tp_size
-    return tuple(shape), tuple(offset)
+    expert_layout(param)  # raises for a parameter that is not an expert's
+    return global_block(param, tp_size, tp_rank)
 
 
 def allreduce_expert_grads(modules: Iterable[nn.Module], grid: object) -> None:
@@ -268,7 +265,7 @@ class GroupedExperts(nn.Module):
                 init(full)
                 local = full.narrow(0, ep_rank * e, e).narrow(f_dim, tp_rank * f, f).to(dtype=dtype, device=device)
             p = nn.Parameter(local.contiguous())
-            p.expert_parallel, p.num_experts, p.ep_rank = True, num_experts, ep_rank
+            set_expert_parallel(p, num_experts, ep_rank)
             p.tensor_parallel = tp > 1
             if tp > 1:
                 p.partition_dim = f_dim

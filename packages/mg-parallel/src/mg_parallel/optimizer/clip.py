@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.tags import is_expert_parallel, is_pipeline_replicated, is_shared_embedding
 from mg_parallel.tensor_parallel.utils import group_rank, is_tensor_parallel
 
 __all__ = ["counts_in_norm", "global_grad_norm", "clip_grads"]
@@ -38,13 +39,12 @@ def counts_in_norm(param: torch.Tensor, grid: ProcessGrid, *, sharded_over_dp: b
     """
     if grid.tp_size > 1 and not is_tensor_parallel(param, name) and grid.tp_rank != 0:
         return False
-    if grid.pp_size > 1 and not grid.is_first_stage and (getattr(param, "shared_embedding", False)
-                                                         or getattr(param, "pipeline_replicated", False)):
+    if grid.pp_size > 1 and not grid.is_first_stage and (is_shared_embedding(param) or is_pipeline_replicated(param)):
         return False
     if sharded_over_dp:
         return True
     if getattr(grid, "ep_size", 1) > 1:  # the norm sums over every rank: one replica counts
-        if getattr(param, "expert_parallel", False):
+        if is_expert_parallel(param):
             return group_rank(grid.expert_dp_group) == 0
         return grid.cp_rank == 0 and grid.dp_rank == 0
     return grid.cp_rank == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from mg_parallel.collectives import all_reduce_coalesced
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.params import grad_of, unique_params
+from mg_parallel.tags import is_pipeline_replicated, is_shared_embedding
 
 __all__ = ["allreduce_pipeline_replicated_grads", "allreduce_shared_embedding_grads", "average_losses"]
 
@@ -32,7 +33,7 @@ def allreduce_shared_embedding_grads(model_chunks: Sequence[nn.Module], grid: Pr
     """
     if grid.embedding_group is None or not (grid.is_first_stage or grid.is_last_stage):
         return
-    _sum_tagged_grads(model_chunks, grid, "shared_embedding", grid.embedding_group, lambda count: (
+    _sum_tagged_grads(model_chunks, grid, "shared_embedding", is_shared_embedding, grid.embedding_group, lambda count: (
         f"pipeline rank {grid.pp_rank} holds {count} shared_embedding elements but the other end of the embedding "
         f"group differs; mark the tied word embedding with param.shared_embedding = True on both the first and the "
         f"last stage (or on neither)"))
@@ -53,15 +54,16 @@ def allreduce_pipeline_replicated_grads(model_chunks: Sequence[nn.Module], grid:
     """
     if grid.pp_group is None or grid.pp_size == 1:
         return
-    _sum_tagged_grads(model_chunks, grid, "pipeline_replicated", grid.pp_group, lambda count: (
+    _sum_tagged_grads(model_chunks, grid, "pipeline_replicated", is_pipeline_replicated, grid.pp_group, lambda count: (
         f"pipeline rank {grid.pp_rank} holds {count} pipeline_replicated elements but another stage differs; every "
         f"stage must hold the same parameters marked param.pipeline_replicated = True"))
 
 
-def _sum_tagged_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid, tag: str, group: Any,
-                      mismatch: Any) -> None:
-    """Sum the gradients of the parameters tagged ``tag`` over ``group`` (a missing gradient counts as zeros)."""
-    params = [p for p in unique_params(model_chunks) if getattr(p, tag, False)]
+def _sum_tagged_grads(model_chunks: Sequence[nn.Module], grid: ProcessGrid, tag: str,
+                      tagged: Callable[[torch.Tensor], bool], group: Any, mismatch: Any) -> None:
+    """Sum the gradients of the parameters tagged ``tag`` (``tagged(p)``) over ``group`` (a missing gradient counts
+    as zeros)."""
+    params = [p for p in unique_params(model_chunks) if tagged(p)]
     grads = [grad_of(p) for p in params]
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     count = sum(g.numel() for g in grads)

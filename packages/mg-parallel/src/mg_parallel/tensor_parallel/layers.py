@@ -33,6 +33,7 @@ from torch import nn
 from mg_parallel.collectives import all_reduce_coalesced
 from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.params import grad_of, unique_params
+from mg_parallel.tags import is_sequence_parallel
 from mg_parallel.tensor_parallel.mappings import (
     all_gather_dim0,
     copy_to_tp_region,
@@ -444,5 +445,5 @@ def allreduce_sequence_parallel_grads(
     if group_size(tp_group) == 1:
         return
     modules = [module] if isinstance(module, nn.Module) else list(module)
-    sp = [g for p in unique_params(modules) if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None]
+    sp = [g for p in unique_params(modules) if is_sequence_parallel(p) and (g := grad_of(p)) is not None]
     all_reduce_coalesced(sp, tp_group)

@@ -10,14 +10,17 @@ split over the tensor-parallel group (``param.tensor_parallel = True`` plus
 norm and checkpoint slicing depend on it at tp > 1, where a missing tag is an error
 (:func:`is_tensor_parallel`) rather than a guess: guessing "replicated" for a forgotten shard
 would count it on one tp rank only and give a wrong grad norm. Tag plain torch modules (e.g.
-``nn.LayerNorm``) with :func:`mark_replicated`; at tp = 1 no tag is needed.
+``nn.LayerNorm``) with :func:`mark_replicated`; at tp = 1 no tag is needed. The tags are set and read in
+:mod:`mg_parallel.tags` (``set_tensor_parallel``, ``mark_replicated`` and ``is_tensor_parallel`` are
+importable from here too).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from mg_parallel.tags import is_tensor_parallel, mark_replicated, partition_dim, set_tensor_parallel
 
 __all__ = [
     "divide",
@@ -31,49 +34,6 @@ __all__ = [
     "split_along_dim",
     "vocab_range",
 ]
-
-
-def set_tensor_parallel(param: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
-    """Tag ``param`` as split over the tensor-parallel group along ``partition_dim``, or (None) as
-    replicated on every tp rank; returns ``param``."""
-    param.tensor_parallel = partition_dim is not None
-    if partition_dim is not None:
-        param.partition_dim = partition_dim
-    return param
-
-
-def mark_replicated(*modules: nn.Module) -> None:
-    """Tag every parameter of ``modules`` that has no tensor-parallel tag yet as replicated.
-
-    Use it on plain torch modules inside a tensor-parallel model (norms, small replicated linears):
-    their parameters are the same on every tp rank. Tags already set (a parallel layer inside one of
-    ``modules``) are kept.
-    """
-    for module in modules:
-        for p in module.parameters():
-            if not hasattr(p, "tensor_parallel"):
-                p.tensor_parallel = False
-
-
-def is_tensor_parallel(param: torch.Tensor, name: str | None = None) -> bool:
-    """``param.tensor_parallel``: True for a tp shard, False for a replicated parameter.
-
-    Args:
-        param: a parameter tagged by an mg layer, :func:`set_tensor_parallel` or :func:`mark_replicated`.
-        name: the parameter's name, for the error message.
-
-    Raises:
-        ValueError: ``param`` carries no tag (names the parameter and how to tag it).
-    """
-    tag = getattr(param, "tensor_parallel", None)
-    if tag is None:
-        what = f"parameter {name!r}" if name else f"a parameter of shape {list(param.shape)}"
-        raise ValueError(
-            f"{what} has no tensor_parallel tag, so at tp > 1 it is unknown whether it is a shard; build it "
-            f"from mg_parallel.tensor_parallel layers, or tag its module with "
-            f"mg_parallel.tensor_parallel.mark_replicated(module) when it is the same on every tp rank"
-        )
-    return bool(tag)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -159,7 +119,7 @@ def shard_info(param: torch.Tensor, grid: object, *, name: str | None = None) ->
     shape = list(param.shape)
     offset = [0] * len(shape)
     if grid.tp_size > 1 and is_tensor_parallel(param, name):
-        dim = param.partition_dim
+        dim = partition_dim(param, name)
         tp_size, tp_rank = grid.tp_size, grid.tp_rank
         offset[dim] = shape[dim] * tp_rank
         shape[dim] = shape[dim] * tp_size
