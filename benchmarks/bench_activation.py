@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import mg_models.layers as layers
 from mg_models import GPTModel
-from mg_models.presets import get_config
+from mg_models.gpt.presets import get_config
 from mg_parallel.grid import ProcessGrid
 
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 import transformers
 
 from mg_models.bert import BertModel
-from mg_models.hf import bert as hf_bert
-from mg_models.hf import t5 as hf_t5
+from mg_models.bert import hf as hf_bert
 from mg_models.t5 import T5Model
+from mg_models.t5 import hf as hf_t5
 
 Impl = tuple[str, torch.nn.Module, Callable[[], torch.Tensor]]
 

@@ -27,8 +27,8 @@ import torch
 
 from mg_data import ConversationList, SFTDataset, SFTDatasetConfig
 from mg_models import GPTModel
+from mg_models.gpt.presets import get_config
 from mg_models.hf import write_hf_directory
-from mg_models.presets import get_config
 from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer

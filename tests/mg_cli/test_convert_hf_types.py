@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from mg_cli.commands.convert import _GPT_TYPES
 from mg_cli.main import cli
-from mg_models.hf import FAMILY_OF_MODEL_TYPE
+from mg_models.hf import hf_model_types
 
 
 def test_export_types_are_the_supported_gpt_types():
-    assert set(_GPT_TYPES) == {t for t, family in FAMILY_OF_MODEL_TYPE.items() if family == "gpt"}
+    assert set(_GPT_TYPES) == {t for t, family in hf_model_types().items() if family == "gpt"}
 
 
 def _qwen3():

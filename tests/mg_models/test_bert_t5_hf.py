@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from mg_models import load_pretrained
 from mg_models.bert import BertConfig, BertModel, load_hf_bert
-from mg_models.hf.bert import read_hf_bert, write_hf_bert
-from mg_models.hf.t5 import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
+from mg_models.bert.hf import read_hf_bert, write_hf_bert
 from mg_models.t5 import T5Config, T5Model, get_t5_config, greedy_generate, load_hf_t5
+from mg_models.t5.hf import config_from_hf, read_hf_t5, state_from_hf, state_to_hf, write_hf_t5
 
 VOCAB = 301  # not a multiple of 128: exercises vocabulary padding
 
@@ -105,7 +105,7 @@ def test_bert_without_token_types(tmp_path):
 
 
 def _hf_grads_as_mg(hf: torch.nn.Module, config: BertConfig) -> dict[str, torch.Tensor]:
-    from mg_models.hf.bert import state_from_hf
+    from mg_models.bert.hf import state_from_hf
 
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in hf.named_parameters()}
     return state_from_hf(grads, config)
@@ -236,7 +236,7 @@ def test_t5_matches_hugging_face_and_round_trips(tmp_path, ff, tie):
 def test_t5_training_loss_and_grads_match_hugging_face():
     """The per-token loss and every gradient of a tied-head training step equal Hugging Face's (mg's two
     embedding lookups add their rows into the head's weight gradient in place)."""
-    from mg_models.hf.t5 import config_from_hf as t5_config_from_hf
+    from mg_models.t5.hf import config_from_hf as t5_config_from_hf
 
     hf = _t5("relu", True).train()
     config = t5_config_from_hf(hf.config.to_dict(), has_lm_head=False)
@@ -291,7 +291,7 @@ def test_t5_bad_configs_name_the_fields():
 
 
 def test_hf_adapter_errors_name_the_key(tmp_path):
-    from mg_models.hf import bert as hf_bert
+    from mg_models.bert import hf as hf_bert
 
     hf_config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                         intermediate_size=48).to_dict()

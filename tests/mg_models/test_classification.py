@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from mg_models import GPTConfig, GPTModel, load_pretrained
 from mg_models.bert import BertConfig, BertModel
+from mg_models.bert.hf import config_from_hf as bert_config_from_hf
+from mg_models.bert.hf import read_hf_bert, write_hf_bert
 from mg_models.heads import classification_loss
 from mg_models.hf import read_hf_directory, write_hf_directory
-from mg_models.hf.bert import config_from_hf as bert_config_from_hf
-from mg_models.hf.bert import read_hf_bert, write_hf_bert
 from mg_parallel.grid import ParallelDims, build_grid
 from mg_parallel.testing import run_distributed
 from tests.mg_models.test_hf_parity import _check_streaming_groups
@@ -153,7 +153,7 @@ def test_bert_classification_matches_hugging_face_and_round_trips(tmp_path, num_
 
 def test_bert_classification_gradients_match_hugging_face():
     hf = _bert(3)
-    from mg_models.hf.bert import state_from_hf
+    from mg_models.bert.hf import state_from_hf
 
     model = BertModel(bert_config_from_hf({**hf.config.to_dict(), "architectures": ["BertForSequenceClassification"]}))
 

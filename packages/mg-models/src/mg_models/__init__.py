@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from mg_models.config import GPTConfig, check_parallel  # noqa: E402
 from mg_models.flops import flops_per_token, num_parameters  # noqa: E402
-from mg_models.presets import get_config, list_presets  # noqa: E402
+from mg_models.gpt.presets import get_config, list_presets  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -11,7 +11,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["MOE_ROUTER_FIELDS", "ROTARY_SCALING_PARAMETERS", "GPTConfig", "ModelConfigBase", "check_parallel", "check_rotary_scaling"]
+__all__ = ["MOE_ROUTER_FIELDS", "ROTARY_SCALING_PARAMETERS", "GPTConfig", "ModelConfigBase", "check_parallel", "check_rotary_scaling",
+           "config_from_preset"]
 
 _POSITION_EMBEDDINGS = ("learned", "rope", "none")
 _NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -44,6 +45,15 @@ class ModelConfigBase:
         """Vocabulary rounded up to make_vocab_size_divisible_by (independent of tp, so checkpoints reshard)."""
         m = self.make_vocab_size_divisible_by
         return ((self.vocab_size + m - 1) // m) * m
+
+    def pipeline_layers(self) -> tuple[int, str]:
+        """``(layers a pipeline cuts into stages, how an error names them)``."""
+        return self.num_layers, f"model.num_layers={self.num_layers}"  # type: ignore[attr-defined]
+
+    def tp_divided(self) -> list[tuple[str, int]]:
+        """``(key, value)`` of every size tensor parallelism splits (the padded vocabulary aside)."""
+        return [("model.num_attention_heads", self.num_attention_heads),  # type: ignore[attr-defined]
+                ("model.ffn_hidden_size", self.ffn_hidden_size)]  # type: ignore[attr-defined]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-serialisable) for checkpoints and configs."""
@@ -310,6 +320,10 @@ class GPTConfig(ModelConfigBase):
         """Whether the model ends in the vocabulary projection (head "lm") rather than a classification head."""
         return self.head == "lm"
 
+    def tp_divided(self) -> list[tuple[str, int]]:
+        return [("model.num_attention_heads", self.num_attention_heads), ("model.num_query_groups", self.query_groups),
+                ("model.ffn_hidden_size", self.ffn_size)]
+
 def check_rotary_scaling(scaling: Any) -> dict[str, Any]:
     """``scaling`` validated and normalised: ``type`` first, numbers as floats (lengths as ints, truncate as bool).
 
@@ -354,14 +368,8 @@ def check_rotary_scaling(scaling: Any) -> dict[str, Any]:
 
 
 def pipeline_layers(config: Any) -> tuple[int, str]:
-    """``(layers a pipeline cuts into stages, how an error names them)``: T5's encoder layers followed by its
-    decoder layers, every other family's ``num_layers``."""
-    from mg_models.t5 import T5Config  # lazily: t5 imports this module
-
-    if isinstance(config, T5Config):
-        layers = config.num_layers + config.decoder_layers
-        return layers, f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"
-    return config.num_layers, f"model.num_layers={config.num_layers}"
+    """``(layers a pipeline cuts into stages, how an error names them)`` of any family's config."""
+    return config.pipeline_layers()
 
 
 def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
@@ -370,14 +378,7 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     Raises:
         ValueError: naming the config field that tp does not divide, or fewer layers than pp stages.
     """
-    from mg_models.t5 import T5Config  # lazily: t5 imports this module
-
-    if isinstance(config, T5Config):
-        checks = [("model.num_attention_heads", config.num_attention_heads),
-                  ("model.ffn_hidden_size", config.ffn_hidden_size)]
-    else:
-        checks = [("model.num_attention_heads", config.num_attention_heads),
-                  ("model.num_query_groups", config.query_groups), ("model.ffn_hidden_size", config.ffn_size)]
+    checks = list(config.tp_divided())
     checks.append(("padded vocabulary (model.make_vocab_size_divisible_by)", config.padded_vocab_size))
     for what, value in checks:
         if value % tp != 0:
@@ -388,3 +389,15 @@ def check_parallel(config: Any, tp: int, pp: int = 1) -> None:
     if layers < pp:
         raise ValueError(f"{layers_key} cannot fill parallel.pp={pp} pipeline stages (one layer each at least); use fewer "
                          f"stages")
+
+
+def config_from_preset(cls: type, presets: dict[str, dict[str, Any]], name: str, kind: str, **overrides: Any) -> Any:
+    """``cls(**presets[name], **overrides)``: a family's preset as its config dataclass.
+
+    Raises:
+        ValueError: unknown preset (``kind`` names the family in the message, which lists the valid
+            names) or an invalid override (from the dataclass's own validation).
+    """
+    if name not in presets:
+        raise ValueError(f"unknown {kind} preset {name!r}; choose one of {sorted(presets)}")
+    return cls(**{**presets[name], **overrides})

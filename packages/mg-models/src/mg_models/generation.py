@@ -204,19 +204,18 @@ def generate_seq2seq(model: torch.nn.Module, sources: Sequence[Sequence[int]], c
     The sources are right-padded into one batch (an attention mask hides the padding from the
     encoder and from cross-attention), encoded once, and the decoder runs one token per step from
     ``decoder_start_token_id`` with its key/value cache, using only the model's public
-    ``encode``/``decode``. Sampling, stop tokens and log-probabilities are as in :func:`generate`;
+    ``encode``/``decode``/``new_decoder_cache``. Sampling, stop tokens and log-probabilities are as in :func:`generate`;
     the outputs exclude the start token.
 
     Raises:
-        ValueError: empty sources, or a model without ``encode``/``decode``.
+        ValueError: empty sources, or a model without ``encode``/``decode``/``new_decoder_cache``.
     """
-    from mg_models.t5 import T5DecoderCache
-
     config = config or SamplingConfig()
     if not sources or any(len(p) == 0 for p in sources):
         raise ValueError("generate_seq2seq needs at least one source and every source must hold at least one token")
-    if not (hasattr(model, "encode") and hasattr(model, "decode")):
-        raise ValueError(f"generate_seq2seq needs an encoder-decoder model with encode/decode, got {type(model).__name__}")
+    if not all(hasattr(model, m) for m in ("encode", "decode", "new_decoder_cache")):
+        raise ValueError(f"generate_seq2seq needs an encoder-decoder model with encode/decode/new_decoder_cache, got "
+                         f"{type(model).__name__}")
     device = next(model.parameters()).device
     batch, src_len = len(sources), max(len(p) for p in sources)
     ids = torch.full((batch, src_len), config.pad_token_id, dtype=torch.long, device=device)
@@ -230,7 +229,7 @@ def generate_seq2seq(model: torch.nn.Module, sources: Sequence[Sequence[int]], c
     model.eval()
     try:
         memory = model.encode(ids, enc_mask)  # [s, b, h], computed once
-        cache = T5DecoderCache()
+        cache = model.new_decoder_cache()
 
         def next_logits(step_input: torch.Tensor, t: int) -> torch.Tensor:
             return model.decode(step_input, memory, enc_mask, gather_logits=True, cache=cache)[:, -1]

@@ -20,9 +20,16 @@ from torch import nn
 
 from mg_models.init import normal_init
 from mg_models.spec import BuildContext
-from mg_parallel.tensor_parallel import gather_from_sequence_parallel_region, mark_replicated
+from mg_parallel.tensor_parallel import (
+    chunked_vocab_parallel_cross_entropy,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    mark_replicated,
+    set_tensor_parallel,
+)
 
-__all__ = ["classification_loss", "full_sequence", "last_token_hidden", "replicated_linear"]
+__all__ = ["WORD_EMBEDDING", "ParallelLMHead", "classification_loss", "full_sequence", "last_token_hidden",
+           "replicated_linear"]
 
 def replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int, *, bias: bool = True) -> nn.Linear:
     """An nn.Linear ``[n_out, n_in]`` held whole on every tp rank (tagged replicated): weight N(0, std) seeded by
@@ -95,3 +102,45 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
         raise ValueError(f"float (multi-label) labels must have shape [batch, num_labels] = [{b}, {n}], got "
                          f"{tuple(labels.shape)}; pass integer labels [batch] for single-label classification")
     return F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(dim=-1)
+
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+"""Global name of the GPT and BERT word embedding (the tied output head's weight)."""
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection onto this rank's vocabulary shard: hidden [s(/tp), b, h] -> logits [s, b, V_pad/tp].
+
+    ``weight`` is either borrowed (tied to the word embedding on the same stage) or owned
+    (``self.weight``, shape ``[V_pad/tp, h]``, sharded along dim 0).
+    """
+
+    def __init__(self, ctx: BuildContext, init_name: str | None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        if init_name is not None:
+            c = ctx.config
+            full = torch.empty(c.padded_vocab_size, c.hidden_size, dtype=torch.float32)
+            normal_init(ctx.seed, init_name, c.init_method_std)(full)
+            shard = full.chunk(ctx.tp_size, dim=0)[ctx.tp_rank].clone()
+            self.weight = nn.Parameter(shard.to(device=ctx.device, dtype=ctx.dtype or torch.float32))
+            set_tensor_parallel(self.weight, 0)
+
+    def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden [s(/tp), b, h] -> the whole sequence [s, b, h] on every tp rank (its grad summed over tp)."""
+        if self.ctx.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.ctx.tp_group)
+        return copy_to_tp_region(x, self.ctx.tp_group)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(self._enter_tp(x), self.weight if weight is None else weight)
+
+    def chunked_loss(self, x: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token loss [s, b] (fp32) of hidden [s(/tp), b, h] against labels [s, b] (-100 = ignore), projecting
+        ``config.cross_entropy_chunk_tokens`` tokens at a time (see
+        :func:`~mg_parallel.tensor_parallel.chunked_vocab_parallel_cross_entropy`); equals the loss of
+        ``forward``'s logits."""
+        c = self.ctx.config
+        return chunked_vocab_parallel_cross_entropy(
+            self._enter_tp(x), self.weight if weight is None else weight, labels, tp_group=self.ctx.tp_group,
+            vocab_size=c.vocab_size, chunk_tokens=c.cross_entropy_chunk_tokens)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mg_models.gpt import GPTModel
+from mg_models.family import family_of
 from mg_models.hf import read_hf_directory
 
 __all__ = [
@@ -72,47 +72,14 @@ def model_from_state(config: Any, state: dict[str, torch.Tensor], *, dtype: torc
                      device: torch.device | str | None = None) -> torch.nn.Module:
     """A single-process model holding ``state`` (unsharded mg names), returning full unpadded logits.
 
-    The config's type picks the model: :class:`~mg_models.t5.T5Config` gives a T5Model,
-    :class:`~mg_models.bert.BertConfig` a BertModel, any other GPTConfig a GPTModel.
+    The config's family builds the model (:func:`mg_models.family.family_of`: a ``T5Config`` gives a T5Model,
+    a ``BertConfig`` a BertModel, any other ``GPTConfig`` a GPTModel).
 
     Raises:
-        ValueError: the state does not match the model (lists missing/unexpected keys).
+        ValueError: the state does not match the model (lists missing/unexpected keys), or no installed family
+            builds the config.
     """
-    from mg_models.bert import BertConfig, BertModel
-    from mg_models.t5 import T5Config, T5Model
-    from mg_parallel.grid import ProcessGrid
-
-    grid = ProcessGrid.single(torch.device(device) if device is not None else None)
-    model: torch.nn.Module
-    if isinstance(config, T5Config):
-        model = T5Model(config, grid, dtype=dtype)
-    elif isinstance(config, BertConfig):
-        model = BertModel(config, grid, dtype=dtype)
-    else:
-        model = GPTModel(config, grid, dtype=dtype)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"checkpoint does not match the model: missing {result.missing_keys[:5]}, "
-                         f"unexpected {result.unexpected_keys[:5]}")
-    model.gather_logits_default = True
-    return model.eval()
-
-
-def _load_hf_encoder_model(path: Path, dtype: torch.dtype | None,
-                           device: torch.device | str | None) -> torch.nn.Module | None:
-    """A BertModel / T5Model for a Hugging Face directory whose config.json says model_type bert / t5, else None."""
-    import json
-
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type == "bert":
-        from mg_models.bert import load_hf_bert
-
-        return load_hf_bert(path, dtype=dtype, device=device)
-    if model_type == "t5":
-        from mg_models.t5 import load_hf_t5
-
-        return load_hf_t5(path, dtype=dtype, device=device)
-    return None
+    return family_of(config).model_from_state(config, state, dtype=dtype, device=device)
 
 
 def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
@@ -146,11 +113,11 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
             config, state = loaded
             return model_from_state(config, state, dtype=dtype, device=device)
     if (path / "config.json").exists():
-        encoder_model = _load_hf_encoder_model(path, dtype, device)
-        if encoder_model is not None:
-            return encoder_model
         config, state, _ = read_hf_directory(path)
-        return model_from_state(config, state, dtype=dtype, device=device)
+        try:
+            return model_from_state(config, state, dtype=dtype, device=device)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     if broken:
         raise ValueError(f"{path}: not a Hugging Face directory (no config.json), and no mg checkpoint loader "
                          f"recognises it: {'; '.join(broken)}")

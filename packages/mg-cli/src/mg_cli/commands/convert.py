@@ -87,8 +87,8 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
     from mg_ckpt import HFSafetensorsReader, StreamingCheckpointWriter
     from mg_cli.checkpoints import MODEL_PREFIX
     from mg_models.hf import (
-        FAMILY_OF_MODEL_TYPE,
         converted_specs,
+        hf_model_types,
         hf_tensor_ignored,
         iter_converted,
         read_hf_config,
@@ -100,7 +100,7 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
                                 f"or an mg checkpoint")
     reader = HFSafetensorsReader(str(src))
     config, model_type = read_hf_config(src, reader.weight_map, reader.read)
-    family = FAMILY_OF_MODEL_TYPE[model_type]
+    family = hf_model_types()[model_type]
     _check_layout(config, tp, pp)
     groups = tensor_groups(config, model_type)
     needed = [n for g in groups for n in g.hf]

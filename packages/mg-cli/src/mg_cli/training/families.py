@@ -41,7 +41,7 @@ def _presets(family: str) -> dict[str, dict[str, Any]]:
         from mg_models.t5 import T5_PRESETS
 
         return T5_PRESETS
-    from mg_models.presets import PRESETS
+    from mg_models.gpt.presets import PRESETS
 
     return PRESETS
 

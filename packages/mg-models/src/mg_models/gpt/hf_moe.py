@@ -1,6 +1,6 @@
 """Hugging Face ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` <-> mg GPT with MoE layers.
 
-Attention, norms, embeddings and dense layers map as for the Llama family (:mod:`mg_models.hf.llama`:
+Attention, norms, embeddings and dense layers map as for the Llama family (:mod:`mg_models.gpt.hf_llama`:
 Mixtral's attention is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's Qwen3's). An MoE layer's MLP maps
 onto :class:`mg_models.transformer.MoEMLP`, whose experts are global tensors (the same at any ep):
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from mg_models.config import GPTConfig
-from mg_models.hf import llama
+from mg_models.gpt import hf_llama as llama
 from mg_models.hf.common import head_to_hf
 from mg_models.hf.groups import TensorGroup, rename, to_hf_state, to_mg_state
 

@@ -23,7 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.config import GPTConfig
-from mg_models.heads import classification_loss, full_sequence, last_token_hidden, replicated_linear
+from mg_models.heads import (
+    WORD_EMBEDDING,
+    ParallelLMHead,
+    classification_loss,
+    full_sequence,
+    last_token_hidden,
+    replicated_linear,
+)
 from mg_models.init import normal_init
 from mg_models.layers import ContextParallelMask, RotaryEmbedding
 from mg_models.spec import BuildContext, ModuleSpec
@@ -32,21 +39,14 @@ from mg_models.transformer import TransformerBlock
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.tensor_parallel import (
     VocabParallelEmbedding,
-    chunked_vocab_parallel_cross_entropy,
-    copy_to_tp_region,
-    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     mark_replicated,
     scatter_to_sequence_parallel_region,
-    set_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["GPTEmbedding", "GPTModel", "ParallelLMHead", "build_attention_mask", "context_parallel_inputs",
+__all__ = ["GPTEmbedding", "GPTModel", "build_attention_mask", "context_parallel_inputs",
            "document_position_ids"]
-
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-
 
 class GPTEmbedding(nn.Module):
     """Word (+ learned position) embeddings and dropout: ids [b, s] -> hidden [s(/tp), b, h]."""
@@ -79,44 +79,6 @@ class GPTEmbedding(nn.Module):
         elif self.training and self.dropout > 0:
             x = F.dropout(x, self.dropout, training=True)
         return x
-
-
-class ParallelLMHead(nn.Module):
-    """Output projection onto this rank's vocabulary shard: hidden [s(/tp), b, h] -> logits [s, b, V_pad/tp].
-
-    ``weight`` is either borrowed (tied to the word embedding on the same stage) or owned
-    (``self.weight``, shape ``[V_pad/tp, h]``, sharded along dim 0).
-    """
-
-    def __init__(self, ctx: BuildContext, init_name: str | None) -> None:
-        super().__init__()
-        self.ctx = ctx
-        if init_name is not None:
-            c = ctx.config
-            full = torch.empty(c.padded_vocab_size, c.hidden_size, dtype=torch.float32)
-            normal_init(ctx.seed, init_name, c.init_method_std)(full)
-            shard = full.chunk(ctx.tp_size, dim=0)[ctx.tp_rank].clone()
-            self.weight = nn.Parameter(shard.to(device=ctx.device, dtype=ctx.dtype or torch.float32))
-            set_tensor_parallel(self.weight, 0)
-
-    def _enter_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """hidden [s(/tp), b, h] -> the whole sequence [s, b, h] on every tp rank (its grad summed over tp)."""
-        if self.ctx.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, self.ctx.tp_group)
-        return copy_to_tp_region(x, self.ctx.tp_group)
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(self._enter_tp(x), self.weight if weight is None else weight)
-
-    def chunked_loss(self, x: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token loss [s, b] (fp32) of hidden [s(/tp), b, h] against labels [s, b] (-100 = ignore), projecting
-        ``config.cross_entropy_chunk_tokens`` tokens at a time (see
-        :func:`~mg_parallel.tensor_parallel.chunked_vocab_parallel_cross_entropy`); equals the loss of
-        ``forward``'s logits."""
-        c = self.ctx.config
-        return chunked_vocab_parallel_cross_entropy(
-            self._enter_tp(x), self.weight if weight is None else weight, labels, tp_group=self.ctx.tp_group,
-            vocab_size=c.vocab_size, chunk_tokens=c.cross_entropy_chunk_tokens)
 
 
 def build_attention_mask(batch: int, q_len: int, offset: int, attention_mask: torch.Tensor | None,

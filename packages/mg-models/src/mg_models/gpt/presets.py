@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mg_models.config import GPTConfig
+from mg_models.config import GPTConfig, config_from_preset
 
-__all__ = ["PRESETS", "config_from_preset", "get_config", "list_presets"]
+__all__ = ["PRESETS", "get_config", "list_presets"]
 
 
 def _gpt2(layers: int, hidden: int, heads: int) -> dict[str, Any]:
@@ -57,18 +57,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                        moe_router_topk=2, moe_aux_loss_coeff=1e-2),
 }
 """GPT shapes by name (fields of :class:`GPTConfig`)."""
-
-
-def config_from_preset(cls: type, presets: dict[str, dict[str, Any]], name: str, kind: str, **overrides: Any) -> Any:
-    """``cls(**presets[name], **overrides)``: a family's preset as its config dataclass.
-
-    Raises:
-        ValueError: unknown preset (``kind`` names the family in the message, which lists the valid
-            names) or an invalid override (from the dataclass's own validation).
-    """
-    if name not in presets:
-        raise ValueError(f"unknown {kind} preset {name!r}; choose one of {sorted(presets)}")
-    return cls(**{**presets[name], **overrides})
 
 
 def list_presets() -> list[str]:

@@ -222,7 +222,7 @@ def _qkv_group(c: GPTConfig, i: int, suffix: str) -> TensorGroup:
 def tensor_groups(c: GPTConfig, moe_groups: Callable[[int], list[TensorGroup]] | None = None) -> list[TensorGroup]:
     """The model as per-tensor conversions: renames, vocabulary padding, and one q/k/v fusion group per layer.
 
-    ``moe_groups(i)`` gives the groups of the MLP of MoE layer ``i`` (see :mod:`mg_models.hf.moe`).
+    ``moe_groups(i)`` gives the groups of the MLP of MoE layer ``i`` (see :mod:`mg_models.gpt.hf_moe`).
 
     Raises:
         ValueError: ``c`` has MoE layers and no ``moe_groups`` is given (a Llama-like format has no experts).
