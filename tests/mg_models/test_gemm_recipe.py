@@ -4,13 +4,15 @@ Tiny GPT, MoE GPT, BERT and T5 models are built through the package's top-level 
 with ``use_gemm``, and one forward and backward pass runs under an independent count of torch's matmul calls
 (:mod:`tests.mg_parallel.gemm_audit`; attention's ``scaled_dot_product_attention`` is not one of them).
 
-Every matmul of the transformer layers (attention and MLP projections, routers, experts) goes through the
-recipe. The output heads of mg_models do not hold a recipe yet: their matmuls are listed in ``UNROUTED`` by the
-function that makes them, and the test requires exactly those, so it fails both when another matmul escapes
-and when a head starts using the recipe (then drop its entry).
+Every matmul goes through the recipe: the transformer layers' (attention and MLP projections, routers,
+experts) and the heads' (the vocabulary projection, plain, chunked or tied to the embedding; BERT's MLM
+transform, pooler, binary head and classifier; GPT's score). The test fails when a matmul escapes it, and
+when the recipe's calls differ from what the layer and head counts give.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -30,13 +32,16 @@ def _ids(*shape: int) -> torch.Tensor:
     return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-def _gpt(preset: str):
-    model = GPTModel(get_config(preset, vocab_size=V))
-    return model, lambda: model(_ids(B, S), labels=_ids(B, S)).sum()
+def _gpt(preset: str, **overrides):
+    model = GPTModel(get_config(preset, vocab_size=V, **overrides))
+    labels = torch.tensor([0, 1]) if model.config.head == "classification" else _ids(B, S)
+    return model, lambda: model(_ids(B, S), labels=labels).sum()
 
 
-def _bert():
-    model = BertModel(BertConfig(**BERT))
+def _bert(**overrides):
+    model = BertModel(BertConfig(**BERT, **overrides))
+    if not model.config.has_lm_head:
+        return model, lambda: model(_ids(B, S), None, None, labels=torch.tensor([1, 0])).sum()
     labels = torch.full((B, S), -100)
     labels[:, 2:5] = _ids(B, 3)
 
@@ -47,35 +52,59 @@ def _bert():
     return model, loss
 
 
-def _t5():
-    model = T5Model(T5Config(**T5))
+def _t5(**overrides):
+    model = T5Model(T5Config(**T5, **overrides))
     return model, lambda: model(_ids(B, S), _ids(B, T), None, labels=_ids(B, T))[0].sum()
 
 
-_LM_HEAD = {"ParallelLMHead.forward"}  # F.linear onto the vocabulary shard
-_TIED_HEAD = {"_TiedProjection.forward", "_TiedProjection.backward"}  # tied projection onto the vocabulary (tp=1)
-UNROUTED = {
-    "gpt": _LM_HEAD,
-    "moe-gpt": _LM_HEAD,
-    # the MLM head's dense layer, the pooler and the binary head (nn.Linear) and the tied MLM projection
-    "bert": {"BertLMHead.forward", "BertModel._pooled", "BertModel.forward", *_TIED_HEAD},
-    "t5": _TIED_HEAD,
-}
-
+def _mlp(c) -> int:
+    """Linears of a dense MLP: fc1 and fc2, and SwiGLU's gate."""
+    return 3 if c.activation == "swiglu" else 2
 
 
 def _expected_calls(name: str, c) -> dict[str, int]:
-    """Recipe calls of one forward and backward pass, from the layer counts: each attention (fused qkv and
-    output projection; T5's separate q, k, v, o) and MLP projection once forward (autograd differentiates it);
-    an MoE layer's router once, and each of its experts two products forward and four backward (loop path)."""
-    if name == "t5":  # encoder: self-attention + MLP; decoder: self- and cross-attention + MLP
-        return {"linear": (4 + 2) * c.num_layers + (4 + 4 + 2) * c.num_decoder_layers}
-    if name == "moe-gpt":
-        return {"linear": (2 + 1) * c.num_layers, "mm": 6 * c.num_experts * c.num_layers}
-    return {"linear": (2 + 2) * c.num_layers}
+    """Recipe calls of one forward and backward pass, from the layer and head counts.
+
+    Layers: each attention (fused qkv and output projection; T5's separate q, k, v, o) and MLP projection
+    (two, three with SwiGLU's gate) once forward (autograd differentiates it); an MoE layer's router once, and
+    each of its experts two products forward and four backward (loop path). Heads: a linear once forward (the
+    vocabulary projection, BERT's MLM transform, pooler, binary head and classifier, GPT's score); the
+    projection tied to the embedding (BERT, T5 at tp = 1) also two ``mm`` backward (input and weight
+    gradients); the chunked loss, per chunk, a linear forward and again backward (recomputed logits) and two
+    ``mm`` backward.
+    """
+    calls = {"linear": 0, "mm": 0}
+    if name.startswith("t5"):  # encoder: self-attention + MLP; decoder: self- and cross-attention + MLP; head
+        calls["linear"] = (4 + 2) * c.num_layers + (4 + 4 + 2) * c.num_decoder_layers + 1
+        if c.tie_word_embeddings:
+            calls["mm"] += 2
+    elif name == "moe-gpt":
+        calls["linear"] = (2 + 1) * c.num_layers + 1
+        calls["mm"] = 6 * c.num_experts * c.num_layers
+    elif name == "gpt-chunked-loss":
+        chunks = math.ceil(B * S / c.cross_entropy_chunk_tokens)
+        calls["linear"] = (2 + _mlp(c)) * c.num_layers + 2 * chunks
+        calls["mm"] = 2 * chunks
+    elif name.startswith("gpt"):  # the vocabulary projection, or the score
+        calls["linear"] = (2 + _mlp(c)) * c.num_layers + 1
+    elif name == "bert-classification":  # pooler, classifier
+        calls["linear"] = (2 + _mlp(c)) * c.num_layers + 2
+    else:  # MLM transform, tied projection; pooler, binary head
+        calls["linear"] = (2 + _mlp(c)) * c.num_layers + 1 + 1 + 2
+        calls["mm"] = 2
+    return {kind: n for kind, n in calls.items() if n}
 
 
-MODELS = {"gpt": lambda: _gpt("tiny-gpt2"), "moe-gpt": lambda: _gpt("tiny-moe"), "bert": _bert, "t5": _t5}
+MODELS = {
+    "gpt": lambda: _gpt("tiny-gpt2"),
+    "gpt-chunked-loss": lambda: _gpt("tiny-llama", cross_entropy_chunk_tokens=5),
+    "gpt-classification": lambda: _gpt("tiny-gpt2", head="classification"),
+    "moe-gpt": lambda: _gpt("tiny-moe"),
+    "bert": _bert,
+    "bert-classification": lambda: _bert(head="classification"),
+    "t5": _t5,
+    "t5-untied": lambda: _t5(tie_word_embeddings=False),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -86,7 +115,6 @@ def test_every_matmul_goes_through_the_recipe(name):
     assert use_gemm(model, recipe) > 0
     with MatmulAudit(recipe) as audit:
         loss().backward()
-    where = {site.split(" in ")[1].split(" (")[0] for site in audit.outside}
-    assert where == UNROUTED[name], f"{name}: matmuls outside the GEMM recipe: {sorted(set(audit.outside))}"
+    assert not audit.outside, f"{name}: matmuls outside the GEMM recipe: {sorted(set(audit.outside))}"
     assert sum(audit.inside.values()) == sum(recipe.calls.values()) > 0
     assert recipe.calls == _expected_calls(name, model.config)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mg_models.stage import PipelineStageModel
+
 __all__ = ["GenerationOutput", "InferenceCache", "SamplingConfig", "generate", "generate_seq2seq", "sample_next"]
 
 
@@ -128,7 +130,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: S
         raise ValueError("generate needs at least one prompt and every prompt must hold at least one token")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("generate needs the whole model on one pipeline stage (pre_process and post_process)")
-    if getattr(getattr(model, "ctx", None), "sequence_parallel", False):
+    if isinstance(model, PipelineStageModel) and model.ctx.sequence_parallel:
         raise ValueError("generate needs a model built with sequence_parallel=False (decoding one token cannot be "
                          "split along the sequence); the weights are the same, so rebuild it and load them")
     mcfg = model.config

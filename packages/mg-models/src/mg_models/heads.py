@@ -10,6 +10,9 @@ instead of the vocabulary projection:
 :func:`classification_loss` picks the loss as Hugging Face does when ``problem_type`` is unset:
 squared error for one label (regression), cross entropy for integer labels, binary cross entropy
 for float labels (multi-label).
+
+Every matmul of these heads goes through the head's GEMM recipe (its ``gemm`` attribute, see
+:mod:`mg_parallel.gemm`), so :func:`~mg_parallel.gemm.use_gemm` reaches them as it reaches the layers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.init import normal_init
+from mg_models.layers import TiedGradient, tied_projection
 from mg_models.spec import BuildContext
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.tensor_parallel import (
     chunked_vocab_parallel_cross_entropy,
     copy_to_tp_region,
@@ -28,13 +33,28 @@ from mg_parallel.tensor_parallel import (
     set_tensor_parallel,
 )
 
-__all__ = ["WORD_EMBEDDING", "ParallelLMHead", "classification_loss", "full_sequence", "last_token_hidden",
-           "replicated_linear"]
+__all__ = ["WORD_EMBEDDING", "ParallelLMHead", "ReplicatedLinear", "classification_loss", "full_sequence",
+           "last_token_hidden", "replicated_linear"]
 
-def replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int, *, bias: bool = True) -> nn.Linear:
-    """An nn.Linear ``[n_out, n_in]`` held whole on every tp rank (tagged replicated): weight N(0, std) seeded by
-    ``(ctx.seed, f"{name}.weight")``, bias 0."""
-    layer = nn.Linear(n_in, n_out, bias=bias, dtype=ctx.dtype, device=ctx.device)
+
+class ReplicatedLinear(nn.Linear):
+    """An ``nn.Linear`` whose matmul is its GEMM recipe's ``linear`` (``self.gemm``; default the plain
+    ``F.linear``, so it computes exactly what ``nn.Linear`` does)."""
+
+    def __init__(self, in_features: int, out_features: int, *, gemm: Gemm = PLAIN_GEMM, **kw: object) -> None:
+        super().__init__(in_features, out_features, **kw)
+        self.gemm = gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [*, in] -> [*, out]``."""
+        return self.gemm.linear(x, self.weight, self.bias)
+
+
+def replicated_linear(ctx: BuildContext, name: str, n_in: int, n_out: int, *, bias: bool = True,
+                      gemm: Gemm = PLAIN_GEMM) -> ReplicatedLinear:
+    """A :class:`ReplicatedLinear` ``[n_out, n_in]`` held whole on every tp rank (tagged replicated): weight
+    N(0, std) seeded by ``(ctx.seed, f"{name}.weight")``, bias 0; its matmul is ``gemm``'s."""
+    layer = ReplicatedLinear(n_in, n_out, bias=bias, dtype=ctx.dtype, device=ctx.device, gemm=gemm)
     normal_init(ctx.seed, f"{name}.weight", ctx.config.init_method_std)(layer.weight)
     if bias:
         with torch.no_grad():
@@ -112,12 +132,15 @@ class ParallelLMHead(nn.Module):
     """Output projection onto this rank's vocabulary shard: hidden [s(/tp), b, h] -> logits [s, b, V_pad/tp].
 
     ``weight`` is either borrowed (tied to the word embedding on the same stage) or owned
-    (``self.weight``, shape ``[V_pad/tp, h]``, sharded along dim 0).
+    (``self.weight``, shape ``[V_pad/tp, h]``, sharded along dim 0). Every projection onto the vocabulary
+    (logits, the chunked loss, the tied projection) is a matmul of the head's GEMM recipe ``self.gemm``
+    (default the plain ``F.linear`` / ``torch.mm``).
     """
 
-    def __init__(self, ctx: BuildContext, init_name: str | None) -> None:
+    def __init__(self, ctx: BuildContext, init_name: str | None, *, gemm: Gemm = PLAIN_GEMM) -> None:
         super().__init__()
         self.ctx = ctx
+        self.gemm = gemm
         if init_name is not None:
             c = ctx.config
             full = torch.empty(c.padded_vocab_size, c.hidden_size, dtype=torch.float32)
@@ -133,7 +156,21 @@ class ParallelLMHead(nn.Module):
         return copy_to_tp_region(x, self.ctx.tp_group)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(self._enter_tp(x), self.weight if weight is None else weight)
+        """Logits [s, b, V_pad/tp] (``[n, V_pad/tp]`` for rows ``[n, h]``) of hidden [s(/tp), b, h] against
+        ``weight`` (the head's own when None)."""
+        return self.project(self._enter_tp(x), weight)
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` for x [..., h] already whole on every tp rank (passed through
+        :func:`~mg_parallel.tensor_parallel.copy_to_tp_region` or gathered) -> [..., V_pad/tp]."""
+        return self.gemm.linear(x, self.weight if weight is None else weight, bias)
+
+    def tied_projection(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        tied: TiedGradient) -> torch.Tensor:
+        """:func:`~mg_models.layers.tied_projection` of x [..., h] with this head's recipe -> [..., V_pad]
+        (tp = 1: ``weight`` is the whole vocabulary ``[V_pad, h]``)."""
+        return tied_projection(x, weight, bias, tied, gemm=self.gemm)
 
     def chunked_loss(self, x: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token loss [s, b] (fp32) of hidden [s(/tp), b, h] against labels [s, b] (-100 = ignore), projecting
@@ -143,4 +180,4 @@ class ParallelLMHead(nn.Module):
         c = self.ctx.config
         return chunked_vocab_parallel_cross_entropy(
             self._enter_tp(x), self.weight if weight is None else weight, labels, tp_group=self.ctx.tp_group,
-            vocab_size=c.vocab_size, chunk_tokens=c.cross_entropy_chunk_tokens)
+            vocab_size=c.vocab_size, chunk_tokens=c.cross_entropy_chunk_tokens, gemm=self.gemm)

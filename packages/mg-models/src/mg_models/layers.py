@@ -22,6 +22,7 @@ from torch import nn
 
 from mg_models.init import normal_init, scaled_std
 from mg_models.spec import BuildContext, ModuleSpec, build_module
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
 from mg_parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_replicated
 
 __all__ = [
@@ -485,28 +486,35 @@ class TiedGradient:
 
 
 class _TiedProjection(torch.autograd.Function):
+    """``x @ weight.T + bias`` with the recipe's ``linear``; backward: the input and weight gradients with its
+    ``mm`` (the weight's handed to the :class:`TiedGradient`)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                tied: TiedGradient) -> torch.Tensor:
+                tied: TiedGradient, gemm: Gemm) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.tied = tied if tied.weight is weight else None
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        ctx.gemm = gemm
+        return gemm.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
+        gemm = ctx.gemm
         grad2 = grad.reshape(-1, grad.shape[-1])  # [n, V]
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # [n, V] @ [V, h]: what grad.matmul(weight) computes (it folds the leading dims into one).
+            grad_x = gemm.mm(grad2, weight).view(*grad.shape[:-1], weight.shape[-1])
         if ctx.needs_input_grad[1]:
             # [V, n] @ [n, h]: a fresh contiguous [V, h] the embedding backward may add into in place.
-            grad_w = grad2.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_w = gemm.mm(grad2.t(), x.reshape(-1, x.shape[-1]))
             if ctx.tied is not None:
                 ctx.tied.stash(grad_w)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _TiedEmbedding(torch.autograd.Function):
@@ -529,10 +537,13 @@ class _TiedEmbedding(torch.autograd.Function):
 
 
 def tied_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    tied: TiedGradient) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (x [..., h], weight [V, h] -> [..., V]) whose weight gradient
-    :func:`tied_embedding` of the same pass completes in place (see :class:`TiedGradient`)."""
-    return _TiedProjection.apply(x, weight, bias, tied)
+                    tied: TiedGradient, *, gemm: Gemm = PLAIN_GEMM) -> torch.Tensor:
+    """``x @ weight.T + bias`` (x [..., h], weight [V, h] -> [..., V]) whose weight gradient
+    :func:`tied_embedding` of the same pass completes in place (see :class:`TiedGradient`).
+
+    Its matmuls are ``gemm``'s: ``linear`` forward, ``mm`` for the input and weight gradients (the plain
+    recipe computes exactly ``F.linear`` and its gradients)."""
+    return _TiedProjection.apply(x, weight, bias, tied, gemm)
 
 
 def tied_embedding(ids: torch.Tensor, weight: torch.Tensor, tied: TiedGradient) -> torch.Tensor:

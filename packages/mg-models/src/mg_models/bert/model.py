@@ -13,7 +13,10 @@ layers, so it runs under tensor, sequence and pipeline parallelism:
 * ``head="classification"`` builds, instead of both, the pooler, dropout and a ``classifier`` to
   ``num_labels`` classes (Hugging Face's ``BertForSequenceClassification``);
 * parameter values derive from ``(seed, global name)``, so every layout holds slices of the same
-  global tensors.
+  global tensors;
+* every matmul goes through a GEMM recipe (:mod:`mg_parallel.gemm`): the layers', the heads' linears'
+  (``lm_head.dense``, ``pooler``, ``binary_head``, ``classifier``) and the vocabulary projection's
+  (``output_layer.gemm``, tied or not).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from mg_models.layers import (
     TiedGradient,
     gelu_tanh,
     tied_embedding,
-    tied_projection,
 )
 from mg_models.spec import BuildContext, ModuleSpec
 from mg_models.stage import PipelineStageModel
@@ -261,7 +263,8 @@ class BertModel(PipelineStageModel):
         if lm_labels is not None:
             return self._masked_lm_loss(x, lm_labels, weight, tied), binary
         if tied is not None:
-            logits = tied_projection(self.lm_head(x), weight, self.lm_head.bias, tied)  # [s, b, V_pad]
+            logits = self.output_layer.tied_projection(self.lm_head(x), weight, self.lm_head.bias,
+                                                       tied)  # [s, b, V_pad]
         else:
             logits = self.output_layer(self.lm_head(x), weight) + self.lm_head.bias  # [s, b, V_pad/tp]
         logits = logits.transpose(0, 1)  # [b, s, V_pad/tp]
@@ -305,9 +308,9 @@ class BertModel(PipelineStageModel):
             h = self.lm_head(x.reshape(s * b, -1).index_select(0, rows))  # [n, h]
             h = copy_to_tp_region(h, self.ctx.tp_group)
         if tied is not None:
-            logits = tied_projection(h, weight, self.lm_head.bias, tied)  # [n, V_pad]
+            logits = self.output_layer.tied_projection(h, weight, self.lm_head.bias, tied)  # [n, V_pad]
         else:
-            logits = F.linear(h, weight, self.lm_head.bias)  # [n, V_pad/tp]
+            logits = self.output_layer.project(h, weight, self.lm_head.bias)  # [n, V_pad/tp]
         loss = vocab_parallel_cross_entropy(logits.float(), labels.reshape(-1).index_select(0, rows),
                                             tp_group=self.ctx.tp_group, vocab_size=self.config.vocab_size)
         full = loss.new_zeros(s * b).index_copy(0, rows, loss)  # [s * b]

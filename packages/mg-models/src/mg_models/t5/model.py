@@ -17,6 +17,9 @@
   decoder part. Every stage holds both relative position bias tables, tagged
   ``pipeline_replicated`` so their gradients are summed over the pipeline; a tied head on the last
   stage is its own ``output_layer.weight`` tagged ``shared_embedding``, as for GPT.
+* The projection onto the vocabulary is ``head``, a :class:`~mg_models.heads.ParallelLMHead` without a
+  weight of its own (it projects onto the word embedding or ``output_layer.weight``): its matmuls go
+  through its GEMM recipe (``head.gemm``, :mod:`mg_parallel.gemm`) as the layers' go through theirs.
 * :class:`T5DecoderCache` keeps decoder self-attention keys/values and the cross-attention
   keys/values of the encoder output for incremental decoding (:func:`greedy_generate`).
 """
@@ -32,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg_models.config import check_parallel
+from mg_models.heads import ParallelLMHead
 from mg_models.init import normal_init
-from mg_models.layers import RMSNorm, TiedGradient, gelu_tanh, tied_embedding, tied_projection
+from mg_models.layers import RMSNorm, TiedGradient, gelu_tanh, tied_embedding
 from mg_models.spec import BuildContext
 from mg_models.t5.config import T5Config
 from mg_parallel.grid import ProcessGrid
@@ -41,7 +45,6 @@ from mg_parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp_region,
     gather_from_tp_region,
     mark_replicated,
     vocab_parallel_cross_entropy,
@@ -319,6 +322,8 @@ class T5Model(nn.Module):
                                layer_ids=range(max(start - enc_layers, 0), max(end - enc_layers, 0)),
                                pipeline_replicated=replicated)
         self.output_layer = None
+        self.head = ParallelLMHead(self.ctx, None) if post_process else None
+        """The vocabulary projection (its weight is the word embedding's or ``output_layer.weight``)."""
         tied = config.tie_word_embeddings
         if post_process and (not tied or not pre_process):  # only its weight [V_pad/tp, h] is used, as the head
             init = normal_init(seed, WORD_EMBEDDING, config.init_factor) if tied else normal_init(
@@ -380,9 +385,9 @@ class T5Model(nn.Module):
             x = x * c.hidden_size ** -0.5
         weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         if tied is not None:
-            logits = tied_projection(x, weight, None, tied)  # [t, b, V_pad]
+            logits = self.head.tied_projection(x, weight, None, tied)  # [t, b, V_pad]
         else:
-            logits = F.linear(copy_to_tp_region(x, self.ctx.tp_group), weight)  # [t, b, V_pad/tp]
+            logits = self.head(x, weight)  # [t, b, V_pad/tp]
         if labels is not None:
             loss = vocab_parallel_cross_entropy(logits.float(), labels.t(), tp_group=self.ctx.tp_group,
                                                 vocab_size=c.vocab_size)
