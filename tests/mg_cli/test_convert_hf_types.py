@@ -9,13 +9,15 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from mg_cli.commands.convert import _GPT_TYPES
+from mg_cli.commands.convert import HF_TYPES
 from mg_cli.main import cli
 from mg_models.hf import hf_model_types
 
 
-def test_export_types_are_the_supported_gpt_types():
-    assert set(_GPT_TYPES) == {t for t, family in hf_model_types().items() if family == "gpt"}
+def test_export_types_are_the_supported_types():
+    assert set(HF_TYPES) == set(hf_model_types())
+    assert {t for t, family in hf_model_types().items() if family == "gpt"} == {
+        "gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
 
 
 def _qwen3():

@@ -50,15 +50,18 @@ def config_from_state(extra: dict[str, Any], where: str) -> Any:
 def read_model_state(reader: Any, config: Any, family: str) -> dict[str, torch.Tensor]:
     """Every ``model/`` tensor of an open :class:`mg_ckpt.CheckpointReader`, unsharded, without the prefix.
 
-    A GPT with tied embeddings gets no ``output_layer.weight``.
+    Without what a one-process model of the family does not hold (a GPT with tied embeddings: the last pipeline
+    stage's ``output_layer.weight``).
 
     Raises:
         mg_ckpt.CheckpointError: unreadable pieces (names the file).
     """
     names = [n for n in reader.specs if n.startswith(MODEL_PREFIX)]
     state = {k[len(MODEL_PREFIX):]: v for k, v in reader.read(names).items()}
-    if family == "gpt" and config.tie_word_embeddings:
-        state.pop("output_layer.weight", None)
+    from mg_models.family import get_family
+
+    for name in get_family(family).single_process_drops(config):
+        state.pop(name, None)
     return state
 
 

@@ -199,7 +199,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ConfigError: missing/unreadable/invalid YAML, unknown keys, wrong types or invalid values.
     """
     raw: dict[str, Any] = {}
-    source = "defaults"
+    source = "--set" if overrides else "defaults"
     if path is not None:
         source = str(path)
         p = Path(path)

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mg_cli.schema import ConfigError, Schema, SectionSpec, Source
+from mg_models.family import families
 
 
 @dataclass(kw_only=True)
 class ModelKeys:
     """mg train's own model keys: which family and preset, and the sample lengths."""
 
-    type: Literal["gpt", "bert", "t5"] = "gpt"
-    """Model family: gpt (causal LM), bert (masked LM + sentence order), t5 (encoder-decoder span corruption)."""
+    type: str = "gpt"
+    """Model family: gpt (causal LM), bert (masked LM + sentence order), t5 (encoder-decoder span corruption), or
+    one another installed package adds (the ``mg_models.families`` entry points)."""
     preset: str | None = None
     """Named shape to start from, e.g. gpt2-small, tiny-llama, bert-base, tiny-bert, t5-small, tiny-t5 (of the
     model.type family); the keys below override it."""
@@ -35,6 +37,9 @@ class ModelKeys:
     paper; larger pads)."""
 
     def __post_init__(self) -> None:
+        known = [f.name for f in families().values()]
+        if self.type not in known:
+            raise ConfigError(f"model.type={self.type!r} is not an installed model family; choose one of {known}")
         if self.seq_length < 1:
             raise ConfigError(f"model.seq_length must be >= 1, got {self.seq_length}")
         if self.decoder_seq_length is not None and self.decoder_seq_length < 1:
@@ -216,11 +221,28 @@ _OPTIMIZER = "mg_parallel.optimizer.config:OptimizerConfig"
 _ZERO = ("use_distributed_optimizer", "overlap_param_gather")
 _LOSS_SCALING = ("precision", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 _RUN_LENGTHS = ("seq_length", "max_seq_length", "encoder_seq_length", "decoder_seq_length")
-_CLASSIFICATION = "mg_data.classification:ClassificationDatasetConfig"
-_CLASSIFICATION_RUN = ("max_seq_length", "cls_id", "sep_id", "pad_id", "separator_ids", "end_ids", "seed",
-                       "cache_dir")
 _RUN_IDS = ("vocab_size", "eod_id", "cls_id", "sep_id", "mask_id", "pad_id", "sentinel_ids", "eos_id",
-            "decoder_start_id")
+            "decoder_start_id", "separator_ids")
+_DATA_RUN_FIELDS = {
+    "mg_data.gpt_dataset:GPTDatasetConfig": ("reset_attention_mask", "create_attention_mask"),
+    "mg_data.bert_dataset:BertDatasetConfig": ("is_word_start", "word_starts"),
+    "mg_data.sft_dataset:SFTDatasetConfig": ("create_attention_mask",),
+    "mg_data.classification:ClassificationDatasetConfig": ("end_ids",),
+}
+"""Fields of a sample-dataset config class that the run fills in besides lengths, special ids, seed and cache."""
+
+
+def _model_sources() -> tuple[Source, ...]:
+    """Each installed family's config class: its fields are the ``model.*`` keys."""
+    return tuple(Source(f.config_class, family=f.name, exclude=f.run_filled_fields) for f in families().values())
+
+
+def _data_sources() -> tuple[Source, ...]:
+    """Each family's sample-dataset config class per ``data.format``: its fields are the ``data.*`` keys."""
+    return tuple(Source(cls, family=f.name, format=fmt,
+                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", *_DATA_RUN_FIELDS.get(cls, ())))
+                 for f in families().values() for fmt, cls in f.dataset_classes.items())
+
 
 RENAMED: dict[str, tuple[str, dict[Any, Any]]] = {
     "model.bias": ("model.add_bias_linear", {}),
@@ -236,9 +258,7 @@ SCHEMA = Schema(sections=(
         name="model", doc="The network: the fields of the family's config class; unset (null) ones come from "
                           "model.preset, else the class's default.",
         cli=ModelKeys, unset_is_null=True,
-        sources=(Source("mg_models.config:GPTConfig", family="gpt", exclude=("vocab_size",)),
-                 Source("mg_models.bert:BertConfig", family="bert", exclude=("vocab_size", "add_binary_head")),
-                 Source("mg_models.t5:T5Config", family="t5", exclude=("vocab_size",))),
+        sources=_model_sources(),
     ),
     SectionSpec(
         name="parallel", doc="How the job is split over processes; dp is derived (world size / (tp * pp * cp)).",
@@ -254,19 +274,7 @@ SCHEMA = Schema(sections=(
                 defaults={"lr": 3e-4, "weight_decay": 0.1, "adam_beta2": 0.95}),
     SectionSpec(
         name="data", doc="Where samples come from and how the family's samples are made.", cli=DataKeys,
-        sources=(Source("mg_data.gpt_dataset:GPTDatasetConfig", family="gpt", format="pretrain",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "reset_attention_mask",
-                                 "create_attention_mask")),
-                 Source("mg_data.bert_dataset:BertDatasetConfig", family="bert", format="pretrain",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "is_word_start", "word_starts")),
-                 Source("mg_data.t5_dataset:T5DatasetConfig", family="t5", format="pretrain",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir")),
-                 Source("mg_data.sft_dataset:SFTDatasetConfig", family="gpt", format="sft",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir", "create_attention_mask")),
-                 Source(_CLASSIFICATION, family="gpt", format="classification", exclude=_CLASSIFICATION_RUN),
-                 Source(_CLASSIFICATION, family="bert", format="classification", exclude=_CLASSIFICATION_RUN),
-                 Source("mg_data.seq2seq:Seq2SeqDatasetConfig", family="t5", format="seq2seq",
-                        exclude=(*_RUN_LENGTHS, *_RUN_IDS, "seed", "cache_dir"))),
+        sources=_data_sources(),
     ),
     SectionSpec(name="eval", doc="Periodic validation.", cli=EvalKeys),
     SectionSpec(name="checkpoint", doc="Saving and resuming.", cli=CheckpointKeys),

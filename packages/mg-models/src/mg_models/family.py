@@ -33,6 +33,7 @@ __all__ = [
     "CLASSIFICATION_DATASET",
     "FAMILY_GROUP",
     "FamilyError",
+    "MissingTokenError",
     "ModelFamily",
     "SpecialTokens",
     "StageSpec",
@@ -55,6 +56,10 @@ instance."""
 
 class FamilyError(ValueError):
     """A family name, config or checkpoint no installed family knows, or a family that cannot do what is asked."""
+
+
+class MissingTokenError(FamilyError):
+    """The tokenizer lacks a special token the family's samples need (:func:`missing_token`)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,10 @@ class StageSpec:
     """dtype of the parameters (None: the default dtype)."""
 
 
-def missing_token(family: str, what: str, fix: str) -> FamilyError:
+def missing_token(family: str, what: str, fix: str) -> MissingTokenError:
     """The error for a tokenizer without a token ``family`` needs: names it and the ``mg tokenizer train``
     options (``fix``) that add it (the caller prefixes the tokenizer's key and path)."""
-    return FamilyError(f"has no {what}, which model.type={family} needs; train a tokenizer with it: "
+    return MissingTokenError(f"has no {what}, which model.type={family} needs; train a tokenizer with it: "
                        f"`mg tokenizer train --input ... --output-prefix ... {fix}` (then rerun `mg preprocess` "
                        f"with it)")
 
@@ -173,6 +178,10 @@ class ModelFamily:
     """Hugging Face ``config.json`` ``model_type`` values its adapter reads and writes."""
     dataset_classes: ClassVar[Mapping[str, str]] = MappingProxyType({})
     """``data.format`` -> ``"module:Class"`` of the sample-dataset config (its fields are the ``data.*`` keys)."""
+    listing_order: ClassVar[int] = 100
+    """Where the family comes in listings and messages (mg's own: gpt 0, bert 1, t5 2; then by name)."""
+    run_filled_fields: ClassVar[tuple[str, ...]] = ("vocab_size",)
+    """Config fields a training run fills in itself (not ``model.*`` keys)."""
     supports_context_parallel: ClassVar[bool] = False
     """Whether its models run with the sequence split over context-parallel ranks (``parallel.cp > 1``)."""
 
@@ -180,10 +189,6 @@ class ModelFamily:
     def presets(self) -> Mapping[str, Mapping[str, Any]]:
         """Shapes by name: ``{preset: {config field: value}}``."""
         return MappingProxyType({})
-
-    def make_config(self, fields: Mapping[str, Any]) -> Any:
-        """The config from its fields (the class checks them: ``ValueError``/``TypeError`` name the key)."""
-        return self.config_class(**fields)
 
     def config_from_dict(self, d: Mapping[str, Any]) -> Any:
         """The config from its ``to_dict()`` form (a checkpoint's record)."""
@@ -208,8 +213,9 @@ class ModelFamily:
         """Raise ``FamilyError`` for ``model.*`` values this family does not take (beyond its config's own
         checks); ``given`` maps run-level keys (``decoder_seq_length``, ``activation``) to their values."""
         if given.get("decoder_seq_length") is not None:
-            raise FamilyError(f"model.decoder_seq_length is only used by encoder-decoder models; leave it unset "
-                              f"for {self.name}")
+            users = "/".join(f.name for f in families().values() if f.kind == "encoder-decoder")
+            raise FamilyError(f"model.decoder_seq_length is only used by model.type={users}; leave it unset for "
+                              f"{self.name}")
 
     # -- layout -------------------------------------------------------------------------------------------------
     def pipeline_layers(self, config: Any) -> tuple[int, str]:
@@ -318,6 +324,17 @@ class ModelFamily:
         """Keyword arguments of a classification forward (pipeline stages pass them to every stage)."""
         return {"attention_mask": attention_mask}
 
+    def single_process_drops(self, config: Any) -> tuple[str, ...]:
+        """Names of a checkpoint's model state a one-process model does not hold (a pipeline's tied copies)."""
+        return ()
+
+    def classification_ids(self, tokens: TokenLookup, a: list[int], b: list[int] | None, separator: int | None
+                           ) -> tuple[list[int], list[int]]:
+        """``(token ids, token types)`` of a classification example: text ``a`` and optional pair ``b`` (already
+        encoded), joined as the family's classifier reads them (here ``a (separator b)``, types all 0)."""
+        ids = a + ([separator, *b] if b is not None else [])
+        return ids, [0] * len(ids)
+
     def decoder_start_token_id(self, extra: Mapping[str, Any]) -> int | None:
         """What generation starts the decoder with, from a checkpoint's recorded state (None: no decoder)."""
         return None
@@ -348,6 +365,33 @@ class ModelFamily:
     def hf_tensor_ignored(self, name: str, config: Any, model_type: str) -> bool:
         return False
 
+    def hf_export_type(self, config: Any, requested: str | None, recorded: str | None) -> str:
+        """The Hugging Face ``model_type`` an export of ``config`` gets: ``requested`` (``--model-type``) when it is
+        one of the family's, else the type the checkpoint was imported from, else :meth:`hf_model_type`.
+
+        Raises:
+            ValueError: ``requested`` is not one of the family's types.
+        """
+        if requested is not None and requested not in self.hf_model_types:
+            fit = (f"--model-type {self.hf_model_types[0]}" if len(self.hf_model_types) == 1
+                   else f"one of {list(self.hf_model_types)}")
+            raise ValueError(f"--model-type {requested} does not fit this {self.hf_family_label} checkpoint; use {fit}")
+        return requested or (recorded if recorded in self.hf_model_types else None) or self.hf_model_type(config)
+
+    @property
+    def hf_family_label(self) -> str:
+        """How export errors name a checkpoint of this family."""
+        return self.name
+
+    def hf_token_ids(self, config: Any, model_type: str, tokens: TokenLookup) -> dict[str, Any]:
+        """``config.json`` token ids an export takes from the tokenizer the run trained with (none by default)."""
+        return {}
+
+    def hf_import_extra(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """What an imported checkpoint records from the Hugging Face ``config.json`` for inference (none by
+        default)."""
+        return {}
+
     def hf_model_type(self, config: Any) -> str:
         """The Hugging Face ``model_type`` an export of ``config`` gets by default."""
         if not self.hf_model_types:
@@ -365,7 +409,7 @@ def families() -> Mapping[str, ModelFamily]:
     from importlib.metadata import entry_points
 
     found: dict[str, ModelFamily] = {}
-    for ep in sorted(entry_points(group=FAMILY_GROUP), key=lambda e: e.name):
+    for ep in entry_points(group=FAMILY_GROUP):
         where = f"model family entry point {ep.name!r} = {ep.value!r}"
         try:
             obj = ep.load()
@@ -378,7 +422,7 @@ def families() -> Mapping[str, ModelFamily]:
         if family.name != ep.name:
             raise FamilyError(f"{where} names a family called {family.name!r}; the entry point's name must be it")
         found[family.name] = family
-    return MappingProxyType(found)
+    return MappingProxyType(dict(sorted(found.items(), key=lambda kv: (kv[1].listing_order, kv[0]))))
 
 
 def get_family(name: str) -> ModelFamily:

@@ -15,10 +15,13 @@ from typing import Any
 
 import click
 
+from mg_models.family import families, get_family
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "generation_config.json", "spiece.model", "vocab.txt")
-_GPT_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-"""GPT-family Hugging Face model types (mg_models.hf.SUPPORTED_MODEL_TYPES; spelled out so --help imports no torch)."""
+HF_TYPES = tuple(t for f in families().values() for t in f.hf_model_types)
+"""Every Hugging Face model type an installed family converts (the families load without torch, so --help stays
+instant)."""
 # Token ids of config.json kept through an import and restored on export.
 _TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -32,7 +35,7 @@ _TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start
               help="Directory to write (mg: a save directory; hf: a model directory).")
 @click.option("--tp", type=int, default=1, help="Intended tensor-parallel size (recorded; any layout can load it).")
 @click.option("--pp", type=int, default=1, help="Intended pipeline-parallel size (recorded; any layout can load it).")
-@click.option("--model-type", type=click.Choice([*_GPT_TYPES, "bert", "t5"]), default=None,
+@click.option("--model-type", type=click.Choice(HF_TYPES), default=None,
               help="Hugging Face architecture to export (default: the one recorded, else by family and shape).")
 @click.option("--max-shard-gb", type=float, default=5.0, help="Largest output shard file, GB.")
 @click.option("--tokenizer-dir", type=click.Path(path_type=Path), default=None,
@@ -116,9 +119,7 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
              "source": str(src.resolve())}
     hf_config = json.loads((src / "config.json").read_text())
     extra["hf_token_ids"] = {k: hf_config[k] for k in _TOKEN_ID_KEYS if k in hf_config}
-    if family == "t5":
-        start = hf_config.get("decoder_start_token_id")
-        extra["decoder_start_token_id"] = int(start) if start is not None else 0
+    extra.update(get_family(family).hf_import_extra(hf_config))  # e.g. T5's decoder start id
     for name in ("tokenizer.model", "spiece.model", "tokenizer.json"):
         if (src / name).exists():
             extra["tokenizer_model"] = str((src / name).resolve())
@@ -132,18 +133,6 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
     click.echo(f"wrote {writer.path} ({len(specs)} tensors, {model_type}); load it at any layout")
 
 
-def _export_type(family: str, requested: str | None, extra: dict[str, Any], config: Any) -> str:
-    if family in ("bert", "t5"):
-        if requested not in (None, family):
-            raise ValueError(f"--model-type {requested} does not fit this {family} checkpoint; use --model-type {family}")
-        return family
-    if requested is not None and requested not in _GPT_TYPES:
-        raise ValueError(f"--model-type {requested} does not fit this GPT checkpoint; use one of {list(_GPT_TYPES)}")
-    recorded = extra.get("hf_model_type")
-    return requested or (recorded if recorded in _GPT_TYPES else None) or (
-        "gpt2" if config.position_embedding == "learned" else "llama")
-
-
 def _labels(extra: dict[str, Any]) -> dict[str, Any]:
     """config.json's id2label/label2id from the label names a classification run recorded (none for int labels)."""
     names = extra.get("label_names")
@@ -152,28 +141,21 @@ def _labels(extra: dict[str, Any]) -> dict[str, Any]:
     return {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
 
 
-def _token_ids(extra: dict[str, Any], model_type: str, config: Any) -> dict[str, Any]:
-    """config.json token ids: those recorded at import, else those mg training used: T5's pad and eod; a GPT
-    classifier's padding (its head reads the last token that is not padding, as mg's did)."""
+def _token_ids(extra: dict[str, Any], model_type: str, config: Any, family: Any) -> dict[str, Any]:
+    """config.json token ids: those recorded at import, else those the family takes from the tokenizer mg training
+    used (T5's pad, decoder start and eod; a GPT classifier's padding)."""
     if "hf_token_ids" in extra:
         return dict(extra["hf_token_ids"])
-    classifier = model_type in _GPT_TYPES and not config.has_lm_head
-    if not (model_type == "t5" or classifier) or not extra.get("tokenizer_model"):
+    if not extra.get("tokenizer_model"):
         return {}
-    from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
+    from mg_models.family import TokenLookup
 
     try:
         tok = build_tokenizer(extra["tokenizer_model"])
     except (OSError, ValueError):
-        return {}  # the recorded tokenizer moved: keep the adapter's T5 defaults
-    pad = pad_id(tok)
-    if classifier:  # mg padded with the pad token, else with eod
-        return {"pad_token_id": int(tok.eod if pad is None else pad)}
-    out: dict[str, Any] = {} if pad is None else {"pad_token_id": pad, "decoder_start_token_id": pad}
-    if tok.eod is not None:
-        out["eos_token_id"] = int(tok.eod)
-    return out
+        return {}  # the recorded tokenizer moved: keep the adapter's defaults
+    return family.hf_token_ids(config, model_type, TokenLookup(tok))
 
 
 def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int, tokenizer_dir: Path | None) -> None:
@@ -184,9 +166,10 @@ def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int
     reader = CheckpointReader(str(src), verify=True)  # every file's checksum, once, before converting
     extra = reader.extra
     config = config_from_state(extra, reader.path)
-    model_type = _export_type(model_family(extra), model_type, extra, config)
+    family = get_family(model_family(extra))
+    model_type = family.hf_export_type(config, model_type, extra.get("hf_model_type"))
     hf_config = config_to_hf(config, model_type)
-    hf_config.update(_token_ids(extra, model_type, config))
+    hf_config.update(_token_ids(extra, model_type, config, family))
     hf_config.update(_labels(extra))
     groups = tensor_groups(config, model_type)
     missing = [n for g in groups for n in g.mg if MODEL_PREFIX + n not in reader.specs]

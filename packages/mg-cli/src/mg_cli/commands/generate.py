@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 
-def _encoder_only(where: str) -> click.ClickException:
-    return click.ClickException(f"{where} is a BERT model (encoder-only): it cannot generate text; "
+def _encoder_only(where: str, family: str) -> click.ClickException:
+    return click.ClickException(f"{where} is a {family.upper()} model (encoder-only): it cannot generate text; "
                                 f"use a GPT or T5 checkpoint")
 
 
@@ -19,24 +19,26 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]
     """``(model, checkpoint state or {}, decoder start id if recorded)``; each file's metadata read once."""
     from mg_cli.checkpoints import config_from_state, is_mg_checkpoint, model_family, read_model_state
     from mg_models import load_pretrained, model_from_state
+    from mg_models.family import family_for_hf, get_family
 
     if is_mg_checkpoint(checkpoint):
         from mg_ckpt import CheckpointReader
 
         reader = CheckpointReader(checkpoint, verify=False)
         family = model_family(reader.extra)
-        if family == "bert":
-            raise _encoder_only(checkpoint)
+        if get_family(family).kind == "encoder":
+            raise _encoder_only(checkpoint, family)
         config = config_from_state(reader.extra, reader.path)
         model = model_from_state(config, read_model_state(reader, config, family), dtype=dtype)
         start = reader.extra.get("decoder_start_token_id")
         return model, reader.extra, None if start is None else int(start)
     cfg_file = Path(checkpoint) / "config.json"
     hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    if hf_config.get("model_type") == "bert":
-        raise _encoder_only(checkpoint)
-    start = hf_config.get("decoder_start_token_id", 0 if hf_config.get("model_type") == "t5" else None)
-    return load_pretrained(checkpoint, dtype=dtype), {}, None if start is None else int(start)
+    fam = family_for_hf(hf_config["model_type"]) if "model_type" in hf_config else None
+    if fam is not None and fam.kind == "encoder":
+        raise _encoder_only(checkpoint, fam.name)
+    start = fam.decoder_start_token_id(hf_config) if fam is not None else None
+    return load_pretrained(checkpoint, dtype=dtype), {}, start
 
 
 @click.command("generate", context_settings={"show_default": True})
@@ -80,7 +82,7 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
-    from mg_models.t5 import T5Model
+    from mg_models.family import family_of
 
     try:
         model, extra, start_id = _load(checkpoint, torch.bfloat16 if dtype == "bf16" else None)
@@ -102,7 +104,7 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
             stop_ids.append(piece[0])
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed, stop_token_ids=tuple(stop_ids))
-        seq2seq = isinstance(model, T5Model)
+        seq2seq = family_of(model.config).kind == "encoder-decoder"
         if seq2seq:
             # mg train starts T5 targets with the padding token (Hugging Face's convention too, where it is 0).
             start_id = start_id if start_id is not None else pad_id(tok)

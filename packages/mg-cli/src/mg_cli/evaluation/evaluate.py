@@ -177,7 +177,7 @@ class Evaluator:
                     ids[row, : len(toks)] = torch.as_tensor(toks)
                     types[row, : len(tt)] = torch.as_tensor(tt)
                     mask[row, : len(toks)] = 1
-                logits = runner.classify(ids, mask, types if runner.family == "bert" else None)
+                logits = runner.classify(ids, mask, types)
                 preds.extend(logits.float().argmax(-1).tolist())
                 self.scorer.progress(len(batch))
             return preds
@@ -188,21 +188,14 @@ class Evaluator:
         return {"num_examples": len(examples), "confusion_matrix": report.pop("confusion_matrix"),
                 "metrics": {"accuracy": report["accuracy"], "macro_f1": _metric(report["macro_f1"])}}
 
-    def _classification_ids(self, text: str, pair: str | None, family: str) -> tuple[list[int], list[int]]:
-        """Token ids and token types: BERT ``[CLS] a [SEP] (b [SEP])``; GPT ``a (<eod> b)``; cut to the context."""
+    def _classification_ids(self, text: str, pair: str | None, family: Any) -> tuple[list[int], list[int]]:
+        """Token ids and token types as the family's classifier reads them (BERT ``[CLS] a [SEP] (b [SEP])``; GPT
+        ``a (<eod> b)``), cut to the context."""
+        from mg_models.family import TokenLookup
+
         a = self.tok.encode(text)
         b = self.tok.encode(pair) if pair is not None else None
-        if family == "bert":
-            from mg_cli.training.families import _piece_id
-
-            cls, sep = _piece_id(self.tok, ("<cls>", "[CLS]")), _piece_id(self.tok, ("<sep>", "[SEP]"))
-            if cls is None or sep is None:
-                raise ValueError("BERT classification needs <cls> and <sep> tokens in the tokenizer")
-            ids = [cls, *a, sep] + ([*b, sep] if b is not None else [])
-            types = [0] * (len(a) + 2) + ([1] * (len(b) + 1) if b is not None else [])
-        else:
-            ids = a + ([self.scorer.prefix_token, *b] if b is not None else [])
-            types = [0] * len(ids)
+        ids, types = family.classification_ids(TokenLookup(self.tok), a, b, self.scorer.prefix_token)
         n = self.scorer.max_length
         if not ids:
             raise ValueError("a classification text encodes to no tokens")
@@ -226,7 +219,7 @@ class Evaluator:
         examples = read_seq2seq(spec.path, self.options.limit)
         until = self.options.until
         if until is None:
-            until = () if self.scorer.runner.family == "t5" else ("\n",)
+            until = () if self.scorer.runner.family.kind == "encoder-decoder" else ("\n",)
         prompts = [self.tok.encode(ex.input) for ex in examples]
         outputs = [t.strip() for t in self._generate_texts(prompts, until, spec.name)]
         em = [M.squad_exact_match(o, ex.targets) for o, ex in zip(outputs, examples)]

@@ -58,11 +58,11 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
         config, state, _ = read_hf_directory(checkpoint)
         extra = {}
     check_parallel(config, tp=tp, pp=pp)
-    from mg_models.t5 import T5Config
+    from mg_models.family import family_of
 
-    if isinstance(config, T5Config) and pp > 1:
-        raise ValueError(f"parallel.pp={pp}: mg eval does not split T5 into pipeline stages; use parallel.pp=1 "
-                         f"with tensor or data parallelism")
+    if family_of(config).kind == "encoder-decoder" and pp > 1:
+        raise ValueError(f"parallel.pp={pp}: mg eval does not split {family_of(config).name.upper()} into pipeline "
+                         f"stages; use parallel.pp=1 with tensor or data parallelism")
     grid = build_grid(ParallelDims(tp=tp, pp=pp))
     model = _stage_model(config, grid, dtype)
     if state is None:
@@ -83,17 +83,12 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
 
 def _stage_model(config: Any, grid: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     """This rank's model: its pipeline stage's layers, its tensor-parallel shard (random until loaded)."""
-    from mg_models import GPTModel
-    from mg_models.bert import BertConfig, BertModel
-    from mg_models.t5 import T5Config, T5Model
-    from mg_parallel.pipeline import partition_layers
+    from mg_models.family import StageSpec, family_of
 
-    if isinstance(config, T5Config):
-        return T5Model(config, grid, dtype=dtype)
-    cls = BertModel if isinstance(config, BertConfig) else GPTModel
-    (layers,) = partition_layers(config.num_layers, grid.pp_size)[grid.pp_rank]
-    model = cls(config, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
-                layer_range=(layers.start, layers.stop), dtype=dtype)
+    fam = family_of(config)
+    (layers,) = fam.chunk_ranges(config, grid.pp_size, 1, grid.pp_rank)
+    model = fam.build_stage(config, grid, StageSpec(layer_range=layers, pre_process=grid.is_first_stage,
+                                                    post_process=grid.is_last_stage, dtype=dtype))
     model.gather_logits_default = True
     return model.eval()
 
@@ -108,8 +103,9 @@ class PipelineRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, *, max_length: int | None = None, dp_group: Any = None,
                  decoder_start_token_id: int = 0) -> None:
         super().__init__(model, max_length=max_length, dp_group=dp_group, decoder_start_token_id=decoder_start_token_id)
-        if self.family == "t5":
-            raise ValueError("T5 evaluation does not run over pipeline stages; use parallel.pp=1")
+        if self.family.kind == "encoder-decoder":
+            raise ValueError(f"{self.family.name.upper()} evaluation does not run over pipeline stages; use "
+                             f"parallel.pp=1")
 
     def _pipelined(self, ids: torch.Tensor, out_shape: Sequence[int], **kwargs: Any) -> torch.Tensor:
         grid, model = self.grid, self.model
@@ -140,9 +136,7 @@ class PipelineRunner(ModelRunner):
         if getattr(self.config, "head", "lm") != "classification":
             return super().classify(ids, attention_mask, token_type_ids)
         shape = (ids.shape[0], self.config.num_labels)
-        if self.family == "bert":
-            return self._pipelined(ids, shape, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        return self._pipelined(ids, shape, attention_mask=attention_mask)
+        return self._pipelined(ids, shape, **self.family.classify_kwargs(attention_mask, token_type_ids))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,

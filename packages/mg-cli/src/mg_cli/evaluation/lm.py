@@ -189,8 +189,8 @@ class LMScorer:
         ``temperature > 0`` is seeded per prompt (``seed`` + its index), so results do not depend on
         the batch or the layout.
         """
-        # A decoder-only model's prompt and continuation share the context; T5's encoder input has it to itself.
-        keep = self.max_length if self.runner.family == "t5" else self.max_length - max_new_tokens
+        # A decoder-only model's prompt and continuation share the context; an encoder's input has it to itself.
+        keep = self.max_length if self.runner.family.kind == "encoder-decoder" else self.max_length - max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the context "
                              f"length {self.max_length}")

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from mg_models.family import ModelFamily, family_of
+
 __all__ = ["ModelRunner", "default_tokenizer", "load_model"]
 
 T = TypeVar("T")
@@ -63,7 +65,6 @@ def decoder_start_token_id(checkpoint: str | os.PathLike[str], extra: dict[str, 
     return 0
 
 
-T5_CONTEXT = 512
 """Default encoder input length of T5 models (the T5 paper's input length)."""
 
 
@@ -73,7 +74,7 @@ class ModelRunner:
     Args:
         model: the model (pre_process and post_process on this rank).
         max_length: context length (tokens); default the config's ``max_position_embeddings`` (T5, whose
-            relative positions have no such limit: :data:`T5_CONTEXT`).
+            relative positions have no such limit: :data:`mg_models.t5.family.T5_CONTEXT`).
         dp_group: the data-parallel process group (None: one replica, no collectives).
         decoder_start_token_id: T5's first decoder input (:func:`decoder_start_token_id`).
     """
@@ -83,16 +84,14 @@ class ModelRunner:
         self.model = model.eval()
         self.decoder_start_token_id = decoder_start_token_id
         self.config = model.config
-        self.max_length = int(max_length or (T5_CONTEXT if self.family == "t5" else self.config.max_position_embeddings))
+        self.max_length = int(max_length or self.family.context_length(self.config))
         self.dp_group = dp_group
         self.device = next(model.parameters()).device
 
     @property
-    def family(self) -> str:
-        from mg_models.bert import BertConfig
-        from mg_models.t5 import T5Config
-
-        return "t5" if isinstance(self.config, T5Config) else "bert" if isinstance(self.config, BertConfig) else "gpt"
+    def family(self) -> ModelFamily:
+        """The model's family (what it can be asked: log-likelihoods, classification, generation)."""
+        return family_of(self.config)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,8 +106,8 @@ class ModelRunner:
         return self.model(ids, gather_logits=True, output_mask=mask)
 
     def _check_lm(self) -> None:
-        if self.family != "gpt" or getattr(self.config, "head", "lm") != "lm":
-            raise ValueError(f"log-likelihood tasks need a GPT-family language model, not a {self.family} "
+        if not self.family.is_language_model(self.config):
+            raise ValueError(f"log-likelihood tasks need a GPT-family language model, not a {self.family.name} "
                              f"model with head {getattr(self.config, 'head', 'lm')!r}")
 
     @torch.no_grad()
@@ -118,9 +117,7 @@ class ModelRunner:
         if getattr(self.config, "head", "lm") != "classification":
             raise ValueError("classification tasks need a model with a classification head (model.head="
                              "classification, or a Hugging Face *ForSequenceClassification directory)")
-        if self.family == "bert":
-            return self.model(ids, token_type_ids, attention_mask)
-        return self.model(ids, attention_mask=attention_mask)
+        return self.family.classify(self.model, ids, attention_mask, token_type_ids)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
@@ -130,10 +127,10 @@ class ModelRunner:
 
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                   stop_token_ids=tuple(stop_token_ids))
-        if self.family == "t5":
+        if self.family.kind == "encoder-decoder":
             return generate_seq2seq(self.model, prompts, sampling, decoder_start_token_id=self.decoder_start_token_id).tokens
-        if self.family == "bert":
-            raise ValueError("generation tasks need a GPT or T5 model; BERT is encoder-only")
+        if self.family.kind == "encoder":
+            raise ValueError(f"generation tasks need a GPT or T5 model; {self.family.name.upper()} is encoder-only")
         return generate(self.model, prompts, sampling).tokens
 
     # -- data parallelism ------------------------------------------------------------------------------

@@ -7,13 +7,12 @@ from typing import Any
 import torch
 
 from mg_cli.config import RunConfig
-from mg_cli.training.families import check_t5_layout, model_config
+from mg_cli.training.families import check_layout, family, model_config
 from mg_cli.training.setup import TrainingError
-from mg_models import GPTModel
+from mg_models.family import StageSpec
 from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
-from mg_parallel.pipeline import partition_layers
 from mg_parallel.precision import Precision
 from mg_parallel.recompute import RecomputeConfig
 from mg_parallel.tensor_parallel import RNGTracker
@@ -22,24 +21,11 @@ __all__ = ["build_model_chunks", "check_model_layout", "model_config", "wrap_and
 
 
 def check_model_layout(cfg: Any, config: RunConfig) -> None:
-    """Divisibility of heads, groups, ffn and layers by the layout, and what a family cannot do (no collective)."""
-    from mg_models.config import check_parallel, pipeline_layers
-    from mg_models.layers import check_context_parallel
-
+    """Divisibility of heads, groups, ffn and layers by the layout, and what the family cannot do (no collective)."""
     p = config.parallel
-    if config.model.type == "t5":
-        check_t5_layout(config)  # what mg train does not do for T5 (pp, sp, recompute), naming the key
-    elif (cfg.head == "lm") != (config.data.format != "classification"):
-        raise TrainingError(f"model.head={cfg.head} does not fit data.format={config.data.format}: a classification "
-                            f"head trains on data.format=classification, every other format on model.head=lm")
+    check_layout(cfg, config)  # the family's own refusals (naming the key), then tp/pp divisibility
     check_expert_layout(cfg, config)
-    try:
-        check_parallel(cfg, p.tp, p.pp)
-        if config.model.type == "gpt":
-            check_context_parallel(cfg, p.tp, p.cp, p.cp_comm)
-    except ValueError as e:
-        raise TrainingError(str(e)) from None
-    layers, what = pipeline_layers(cfg)
+    layers, what = family(config).pipeline_layers(cfg)
     if layers % (p.pp * p.vpp):
         raise TrainingError(
             f"{what} cannot be split evenly over parallel.pp*parallel.vpp = "
@@ -68,38 +54,22 @@ def check_expert_layout(cfg: Any, config: RunConfig) -> None:
 
 
 def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:
-    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured.
-
-    GPT and BERT are cut into pipeline stages by layer; T5 by its encoder layers followed by its decoder layers
-    (one chunk per rank).
-    """
+    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured; the family
+    says which layers each holds (GPT and BERT are cut by layer; T5 by its encoder layers then its decoder's)."""
     dims = grid.dims
     policy = Precision.from_name(config.train.precision)
     # FSDP keeps fp32 main parameters as its shards and casts to the compute dtype when it gathers them.
     dtype = policy.main_param_dtype if config.parallel.fsdp else policy.param_dtype
-    if config.model.type == "t5":
-        from mg_models.config import pipeline_layers
-        from mg_models.t5 import T5Model
-
-        (layers,) = partition_layers(pipeline_layers(cfg)[0], dims.pp)[grid.pp_rank]
-        return _compiled([T5Model(cfg, grid, pre_process=grid.is_first_stage, post_process=grid.is_last_stage,
-                                  layer_range=(layers.start, layers.stop), seed=config.train.seed, rng_tracker=rng,
-                                  dtype=dtype)], config)
-    model_cls = GPTModel
-    if config.model.type == "bert":
-        from mg_models.bert import BertModel
-
-        model_cls = BertModel
-    ranges = partition_layers(cfg.num_layers, dims.pp, dims.vpp)[grid.pp_rank]
+    fam = family(config)
+    ranges = fam.chunk_ranges(cfg, dims.pp, dims.vpp, grid.pp_rank)
     recompute = config.make(RecomputeConfig)
     chunks = []
     for c, layers in enumerate(ranges):
-        first = grid.is_first_stage and c == 0
-        last = grid.is_last_stage and c == len(ranges) - 1
-        chunks.append(model_cls(cfg, grid, pre_process=first, post_process=last,
-                                layer_range=(layers.start, layers.stop), sequence_parallel=dims.sequence_parallel,
-                                seed=config.train.seed, rng_tracker=rng,
-                                recompute=recompute if recompute.granularity else None, dtype=dtype))
+        stage = StageSpec(layer_range=layers, pre_process=grid.is_first_stage and c == 0,
+                          post_process=grid.is_last_stage and c == len(ranges) - 1,
+                          sequence_parallel=dims.sequence_parallel, seed=config.train.seed, rng_tracker=rng,
+                          recompute=recompute if recompute.granularity else None, dtype=dtype)
+        chunks.append(fam.build_stage(cfg, grid, stage))
     return _compiled(chunks, config)
 
 

@@ -39,42 +39,27 @@ from mg_parallel.grid import ProcessGrid
 
 
 def dataset_config(config: RunConfig, tokenizer: Any, cache_dir: str | None) -> Any:
-    """The sample-dataset config of ``model.type`` (GPT, BERT sentence pairs, T5 span corruption): the ``data.*``
-    keys given (fields of the family's dataset config class, same names) and what the run fills in (lengths,
-    special-token ids, the seed, the cache).
+    """The sample-dataset config of ``model.type`` and ``data.format`` (GPT tokens, BERT sentence pairs, T5 span
+    corruption, SFT conversations, labelled or input -> target examples): the ``data.*`` keys given (fields of the
+    family's dataset config class, same names) and what the run fills in (lengths and special-token ids, as the
+    family says, the seed, the cache).
 
     Raises:
         TrainingError: a ``data.*`` key of another family, the tokenizer lacks a special token the family
             needs, or a bad length.
     """
-    from mg_cli.training.families import special_tokens
+    from mg_cli.training.families import family, special_tokens
 
     t, m = config.train, config.model
     try:
         cls = config.family_class("data")
     except ConfigError as e:
         raise TrainingError(str(e)) from None
-    ids = special_tokens(config, tokenizer)
-    pad = ids.eos if ids.pad is None else ids.pad
+    ids = special_tokens(config, tokenizer, cls)
     run: dict[str, Any] = {"seed": t.seed, "cache_dir": cache_dir}
-    fmt = config.data.format
-    if fmt == "classification" and m.type == "bert":
-        run.update(max_seq_length=m.seq_length, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
-    elif fmt == "classification":  # the label is read at the last real token, as Hugging Face's GPT heads do
-        run.update(max_seq_length=m.seq_length, pad_id=pad, separator_ids=[ids.eos])
-    elif fmt == "seq2seq":
-        run.update(encoder_seq_length=m.seq_length, decoder_seq_length=m.decoder_seq_length or m.seq_length,
-                   eos_id=ids.eos, pad_id=ids.pad)
-    elif m.type == "bert":
-        run.update(max_seq_length=m.seq_length, vocab_size=tokenizer.vocab_size, cls_id=ids.cls, sep_id=ids.sep,
-                   mask_id=ids.mask, pad_id=ids.pad)
-    elif m.type == "t5":
-        run.update(encoder_seq_length=m.seq_length, sentinel_ids=ids.sentinels, eos_id=ids.eos, pad_id=ids.pad,
-                   decoder_seq_length=m.decoder_seq_length)
-    elif fmt == "sft":
-        run.update(seq_length=m.seq_length, pad_id=pad)
-    else:
-        run.update(seq_length=m.seq_length, eod_id=ids.eos)
+    run.update(family(config).dataset_fields(config.data.format, ids, seq_length=m.seq_length,
+                                             decoder_seq_length=m.decoder_seq_length,
+                                             vocab_size=tokenizer.vocab_size))
     try:
         return config.make(cls, **run)
     except ValueError as e:

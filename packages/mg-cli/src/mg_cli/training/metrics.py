@@ -242,6 +242,7 @@ def fast_paths(run: Any) -> dict[str, str]:
     import torch
 
     from mg_models.compilation import compiled_layers
+    from mg_models.family import get_family
     from mg_parallel.optimizer.adamw import fused_adamw_supported
 
     cfg, config, device = run.model_config, run.config, run.grid.device
@@ -258,13 +259,13 @@ def fast_paths(run: Any) -> dict[str, str]:
         paths["attention"] = f"context_parallel:{config.parallel.cp_comm}:{kernel}"
     else:
         q = torch.zeros(1, 1, 8, heads, dtype=run.dtype, device=device)
-        plain = config.model.type == "gpt" and config.data.format == "pretrain" and not getattr(cfg, "sliding_window",
-                                                                                                None)
+        causal = get_family(config.model.type).kind == "decoder"
+        plain = causal and config.data.format == "pretrain" and not getattr(cfg, "sliding_window", None)
         mask = None if plain else torch.ones(8, 8, dtype=torch.bool, device=device)
         dropout = float(getattr(cfg, "attention_dropout", None) or getattr(cfg, "dropout", 0.0) or 0.0)
         choice = int(torch._fused_sdp_choice(q, q, q, mask, dropout, plain))
         paths["attention"] = "sdpa:" + _SDPA_KERNELS.get(choice, str(choice))
-    norm = getattr(cfg, "normalization", "rmsnorm" if config.model.type == "t5" else "layernorm")
+    norm = cfg.normalization
     paths["norm"] = ("F.rms_norm" if device.type == "cuda" else "composite") if norm == "rmsnorm" else "F.layer_norm"
     compiled = sum(compiled_layers(chunk) for chunk in inner)
     paths["compile"] = f"{compiled} layers" if compiled else "off"

@@ -61,9 +61,9 @@ class CheckpointPolicy:
             "tokenizer_model": os.path.abspath(run.config.data.tokenizer_model),
             "data_format": run.config.data.format,
         }
-        ds = run.data.ds_config
-        if run.config.model.type == "t5":  # what generation must start the decoder with (T5: the pad id)
-            extra["decoder_start_token_id"] = int(ds.pad_id if ds.decoder_start_id is None else ds.decoder_start_id)
+        from mg_cli.training.families import family
+
+        extra.update(family(run.config).checkpoint_extra(run.data.ds_config))  # e.g. T5's decoder start id
         if run.labels is not None:  # classification: what the head's outputs mean (mg convert writes id2label)
             extra["label_names"], extra["num_labels"] = run.labels
         checkpointing.save(run.saver, c.save, iteration, run.model, run.optimizer, run.grid, extra, async_save=c.async_,

@@ -29,7 +29,7 @@ class Pretrained:
 
     path: str
     family: str
-    """``gpt``, ``bert`` or ``t5`` (from the config's class)."""
+    """The family's name (``model.type``), from the config's class."""
     config: Any
     """Its architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
     _params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -53,14 +53,6 @@ class Pretrained:
         return self._params
 
 
-def family_of(config: Any) -> str:
-    """The mg family of a model config object."""
-    from mg_models.bert import BertConfig
-    from mg_models.t5 import T5Config
-
-    return "t5" if isinstance(config, T5Config) else "bert" if isinstance(config, BertConfig) else "gpt"
-
-
 def read_pretrained(path: str) -> Pretrained:
     """The architecture of the model at ``path`` (Hugging Face directory or mg checkpoint of any family and
     layout), from its config and tensor names; the weights are read when :attr:`Pretrained.params` is first used.
@@ -74,7 +66,9 @@ def read_pretrained(path: str) -> Pretrained:
         config = pretrained_config(path)
     except (OSError, ValueError, CheckpointError) as e:
         raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
-    return Pretrained(path=path, family=family_of(config), config=config)
+    from mg_models.family import family_of
+
+    return Pretrained(path=path, family=family_of(config).name, config=config)
 
 
 def pretrained_config(path: str) -> Any:

@@ -67,12 +67,12 @@ class Run:
 
 def stage_positions(config: RunConfig, ds_config: Any, seq: int, grid: Any) -> int:
     """Positions of the activations a pipeline stage sends: this rank's ``seq`` tokens (split over tp under
-    sequence parallelism); T5 sends the encoder's positions and the decoder's."""
-    if config.model.type == "t5":
-        from mg_cli.training.families import decoder_length
+    sequence parallelism); an encoder-decoder sends the encoder's positions and the decoder's."""
+    from mg_cli.training.families import family
 
-        return seq + decoder_length(ds_config)
-    return seq // grid.tp_size if grid.dims.sequence_parallel else seq
+    fam = family(config)
+    return fam.stage_positions(seq, fam.decoder_length(ds_config), tp=grid.tp_size,
+                               sequence_parallel=grid.dims.sequence_parallel)
 
 
 def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, saver: Any) -> Run:
@@ -83,7 +83,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     """
     from mg_cli.training.build import build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
-    from mg_cli.training.families import forward_step_for, logged_losses, step_flops_per_token
+    from mg_cli.training.families import family
     from mg_parallel import Precision, build_grid
     from mg_parallel.pipeline import get_forward_backward_func
     from mg_parallel.tensor_parallel import RNGTracker
@@ -114,19 +114,18 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
 
         forward_backward = functools.update_wrapper(
             functools.partial(forward_backward, finalize_grads=finalize_fsdp_grads), forward_backward)
-    family, task = config.model.type, config.data.sentence_task
+    fam, task, fmt = family(config), config.data.sentence_task, config.data.format
     run = Run(
         config=config, env=env, grid=grid, rng=rng, model=model, model_config=model_cfg, optimizer=optimizer,
         schedule=plan.schedule, data=data,
         forward_backward=forward_backward,
-        forward_step=forward_step_for(family, task, config.data.format,
-                                      cp_group=grid.cp_group if grid.cp_size > 1 else None),
-        logged_losses=logged_losses(family, task, config.data.format),
+        forward_step=fam.forward_step(fmt, sentence_task=task, cp_group=grid.cp_group if grid.cp_size > 1 else None),
+        logged_losses=fam.logged_losses(fmt, task),
         dtype=Precision.from_name(t.precision).param_dtype,
         tensor_shape=(stage_positions(config, data.ds_config, seq, grid), t.micro_batch_size, model_cfg.hidden_size),
-        flops_per_token=step_flops_per_token(family, model_cfg, data.ds_config, config.model.seq_length,
-                                             config.data.format,
-                                             recompute=config.parallel.recompute_granularity == "full"),
+        flops_per_token=fam.flops_per_token(model_cfg, config.model.seq_length, data_format=fmt,
+                                            dataset_config=data.ds_config,
+                                            recompute=config.parallel.recompute_granularity == "full"),
         saver=saver, start_iter=start_iter, init_report=init_report, labels=plan.labels,
         tokenizer=plan.tokenizer,
     )

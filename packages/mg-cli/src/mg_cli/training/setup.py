@@ -162,7 +162,7 @@ def check_fsdp_run(config: RunConfig, dims: Any) -> None:
 
 
 def check_context_parallel_run(config: RunConfig, dims: Any) -> None:
-    """What ``parallel.cp > 1`` needs of the run: a GPT model on token data (pretrain or sft) whose ``seq_length``
+    """What ``parallel.cp > 1`` needs of the run: a model whose family supports it (GPT) on token data (pretrain or sft) whose ``seq_length``
     splits into ``2 * cp`` chunks, and no ``eval.tasks`` (they score unsplit sequences).
 
     Raises:
@@ -171,8 +171,11 @@ def check_context_parallel_run(config: RunConfig, dims: Any) -> None:
     cp, m = dims.cp, config.model
     if cp == 1:
         return
-    if m.type != "gpt":
-        raise TrainingError(f"parallel.cp={cp}: context parallelism is only supported for model.type=gpt for now "
+    from mg_models.family import families, get_family
+
+    if not get_family(m.type).supports_context_parallel:
+        users = "/".join(f.name for f in families().values() if f.supports_context_parallel)
+        raise TrainingError(f"parallel.cp={cp}: context parallelism is only supported for model.type={users} for now "
                             f"(not {m.type}); set parallel.cp: 1")
     if config.data.format not in ("pretrain", "sft"):
         raise TrainingError(f"parallel.cp={cp} is not supported with data.format={config.data.format} (a "

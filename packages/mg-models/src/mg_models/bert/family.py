@@ -63,10 +63,12 @@ class BertFamily(ModelFamily):
     """
 
     name = "bert"
+    listing_order = 1
     config_class = BertConfig
     kind = "encoder"
     data_formats = ("pretrain", "classification")
     hf_model_types = ("bert",)
+    run_filled_fields = ("vocab_size", "add_binary_head")
     dataset_classes = MappingProxyType({"pretrain": "mg_data.bert_dataset:BertDatasetConfig",
                                         "classification": CLASSIFICATION_DATASET})
 
@@ -132,6 +134,15 @@ class BertFamily(ModelFamily):
 
     def classify(self, model: torch.nn.Module, ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
         return model(ids, token_type_ids, attention_mask)
+
+    def classification_ids(self, tokens: TokenLookup, a: list[int], b: list[int] | None, separator: int | None
+                           ) -> tuple[list[int], list[int]]:
+        """``[CLS] a [SEP] (b [SEP])`` with token types 0 for the first segment and 1 for the second."""
+        cls, sep = tokens.piece("<cls>", "[CLS]"), tokens.piece("<sep>", "[SEP]")
+        if cls is None or sep is None:
+            raise ValueError("BERT classification needs <cls> and <sep> tokens in the tokenizer")
+        ids = [cls, *a, sep] + ([*b, sep] if b is not None else [])
+        return ids, [0] * (len(a) + 2) + ([1] * (len(b) + 1) if b is not None else [])
 
     def classify_kwargs(self, attention_mask: Any, token_type_ids: Any) -> dict[str, Any]:
         return {"token_type_ids": token_type_ids, "attention_mask": attention_mask}

@@ -14,6 +14,7 @@ from mg_models.family import (
     ForwardStep,
     ModelFamily,
     StageSpec,
+    TokenLookup,
     check_head,
 )
 
@@ -35,6 +36,7 @@ class GPTFamily(ModelFamily):
     """Decoder-only language models (``model.type: gpt``) with an LM head or a classification head."""
 
     name = "gpt"
+    listing_order = 0
     config_class = GPTConfig
     kind = "decoder"
     data_formats = ("pretrain", "sft", "classification")
@@ -80,6 +82,10 @@ class GPTFamily(ModelFamily):
         step = sft_step if data_format == "sft" else token_step
         return functools.partial(step, cp_group=cp_group) if cp_group is not None else step
 
+    def single_process_drops(self, config: Any) -> tuple[str, ...]:
+        """A tied head's copy on the last pipeline stage (one process ties it to the embedding)."""
+        return ("output_layer.weight",) if config.tie_word_embeddings else ()
+
     # -- Hugging Face -------------------------------------------------------------------------------------------
     def hf_config_from(self, hf_config: dict[str, Any], where: str, names: Any, read: Any) -> Any:
         from mg_models.gpt import hf
@@ -112,4 +118,16 @@ class GPTFamily(ModelFamily):
         return hf.is_ignored(name, config)
 
     def hf_model_type(self, config: Any) -> str:
-        return "llama"
+        """GPT-2 for learned positions, else Llama."""
+        return "gpt2" if config.position_embedding == "learned" else "llama"
+
+    @property
+    def hf_family_label(self) -> str:
+        return "GPT"
+
+    def hf_token_ids(self, config: Any, model_type: str, tokens: TokenLookup) -> dict[str, Any]:
+        """A classifier's padding (its head reads the last token that is not padding, as mg's did; mg padded with
+        the pad token, else with eod)."""
+        if config.has_lm_head:
+            return {}
+        return {"pad_token_id": int(tokens.eod if tokens.pad is None else tokens.pad)}

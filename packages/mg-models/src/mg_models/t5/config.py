@@ -83,6 +83,11 @@ class T5Config(ModelConfigBase):
         """Whether the decoder output is scaled by hidden_size**-0.5 before the head."""
         return self.tie_word_embeddings if self.scale_decoder_output is None else self.scale_decoder_output
 
+    @property
+    def normalization(self) -> str:
+        """T5 normalises with RMSNorm everywhere (the name GPT's config gives its choice)."""
+        return "rmsnorm"
+
     def pipeline_layers(self) -> tuple[int, str]:
         layers = self.num_layers + self.decoder_layers
         return layers, f"the {layers} encoder and decoder layers (model.num_layers + model.num_decoder_layers)"

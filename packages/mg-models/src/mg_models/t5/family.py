@@ -48,6 +48,7 @@ class T5Family(ModelFamily):
     (``loss_mask``), logged as ``loss`` and ``lm_loss``."""
 
     name = "t5"
+    listing_order = 2
     config_class = T5Config
     kind = "encoder-decoder"
     data_formats = ("pretrain", "seq2seq")
@@ -164,6 +165,19 @@ class T5Family(ModelFamily):
         ds = dataset_config
         start = getattr(ds, "decoder_start_id", None)
         return {"decoder_start_token_id": int(ds.pad_id if start is None else start)}
+
+    def hf_token_ids(self, config: Any, model_type: str, tokens: TokenLookup) -> dict[str, Any]:
+        """The pad id (also the decoder start, as mg training starts targets with it) and the end of sequence."""
+        out: dict[str, Any] = {} if tokens.pad is None else {"pad_token_id": tokens.pad,
+                                                              "decoder_start_token_id": tokens.pad}
+        if tokens.eod is not None:
+            out["eos_token_id"] = int(tokens.eod)
+        return out
+
+    def hf_import_extra(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """The decoder start id (Hugging Face's default for T5: 0, its pad id)."""
+        start = hf_config.get("decoder_start_token_id")
+        return {"decoder_start_token_id": int(start) if start is not None else 0}
 
     def classify(self, model: torch.nn.Module, ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
         raise FamilyError("classification tasks need a GPT or BERT model with a classification head, not T5")
