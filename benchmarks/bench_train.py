@@ -251,13 +251,9 @@ def val_windows(val_bin: Path, seq: int, micro: int) -> list[tuple[torch.Tensor,
 @torch.no_grad()
 def paired_eval(mg_ckpt: Path, nano_ckpt: Path, nanogpt: Path, batches: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-batch mean validation loss of an mg checkpoint and a nanoGPT checkpoint on the same batches."""
-    from mg_cli.checkpoints import read_mg_checkpoint
-    from mg_models import GPTModel
+    from mg_models.loading import load_model
 
-    cfg, state, _ = read_mg_checkpoint(mg_ckpt)
-    mg = GPTModel(cfg)
-    mg.load_state_dict(state, strict=False)
-    mg.eval()
+    mg = load_model(mg_ckpt, inference=True).model
     if str(nanogpt) not in sys.path:
         sys.path.insert(0, str(nanogpt))
     from model import GPT, GPTConfig  # nanoGPT's model.py, from the checkout given on the command line

@@ -1,8 +1,8 @@
-"""How ``load_pretrained`` finds mg checkpoint loaders: entry points of ``mg_models.checkpoint_loaders``,
+"""How ``load_pretrained`` finds the loaders of other checkpoint formats: entry points of ``mg_models.checkpoint_loaders``,
 loaded once on first need, beside loaders registered at run time; a broken entry point is named in one line.
 
-The installed entry points are replaced by fakes here, so this runs with mg-models alone (the real one,
-mg-cli's, is exercised end to end in tests/e2e/test_load_pretrained.py).
+The installed entry points are replaced by fakes here, so this runs with mg-models alone (mg checkpoints and
+Hugging Face directories mg-models reads itself: tests/e2e/test_load_pretrained.py).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_broken_entry_points_are_named_in_one_line(installed, tmp_path):
     assert isinstance(load_pretrained(tmp_path / "hf"), GPTModel)
 
 
-def test_without_loaders_the_error_says_what_to_install(installed, tmp_path):
-    with pytest.raises(ValueError, match=r"no mg checkpoint loader is installed: mg checkpoints are read by mg-cli "
-                                         r"\(pip install mg-cli\).*'mg_models.checkpoint_loaders'"):
+def test_without_loaders_the_error_says_what_the_directory_is_not(installed, tmp_path):
+    with pytest.raises(ValueError, match=r"neither a Hugging Face directory \(no config.json\) nor an mg checkpoint "
+                                         r"\(an iter_\* directory with metadata.json, or a save directory with latest\)$"):
         load_pretrained(tmp_path)

@@ -12,6 +12,7 @@ def __getattr__(name: str):
     lazy = {
         "GPTModel": "mg_models.gpt",
         "load_pretrained": "mg_models.pretrained",
+        "load_model": "mg_models.loading",
         "register_checkpoint_loader": "mg_models.pretrained",
         "generate": "mg_models.generation",
         "generate_seq2seq": "mg_models.generation",
@@ -45,6 +46,7 @@ __all__ = [
     "generate_seq2seq",
     "get_config",
     "list_presets",
+    "load_model",
     "load_pretrained",
     "model_from_state",
     "num_parameters",

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from mg_models.family import family_of
-from mg_models.hf import read_hf_directory
 
 __all__ = [
     "CHECKPOINT_LOADER_GROUP",
@@ -22,12 +21,12 @@ __all__ = [
 CheckpointLoader = Callable[[Path], "tuple[Any, dict[str, torch.Tensor]] | None"]
 
 CHECKPOINT_LOADER_GROUP = "mg_models.checkpoint_loaders"
-"""Entry-point group of mg checkpoint loaders. mg-models cannot depend on mg-ckpt, so the package that
-reads mg checkpoints (mg-cli) declares its loader under this group, and :func:`load_pretrained`
-finds it without anything being imported or registered first."""
+"""Entry-point group of checkpoint loaders for formats mg does not read itself (mg checkpoints and Hugging Face
+directories it does): a package declares its loader under this group, and :func:`load_pretrained` finds it
+without anything being imported or registered first."""
 
 MG_CHECKPOINT_LOADERS: list[CheckpointLoader] = []
-"""Loaders for mg checkpoints, tried in order: ``loader(path) -> (config, unsharded mg state) | None``
+"""Loaders of other checkpoint formats, tried in order: ``loader(path) -> (config, unsharded mg state) | None``
 (None = not mine); the config is a GPTConfig, BertConfig or T5Config and picks the model class.
 Holds those passed to :func:`register_checkpoint_loader`, then those of the
 :data:`CHECKPOINT_LOADER_GROUP` entry points once :func:`load_pretrained` first needs them."""
@@ -84,25 +83,27 @@ def model_from_state(config: Any, state: dict[str, torch.Tensor], *, dtype: torc
 
 def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> torch.nn.Module:
-    """Load a Hugging Face directory (GPT-2, Llama, Mistral, BERT, T5; safetensors) or an mg checkpoint of any family.
+    """Load an mg checkpoint of any family (saved at any layout) or a Hugging Face directory (GPT-2, Llama, Mistral,
+    Qwen, Mixtral, BERT, T5; safetensors) as a single-process model.
 
     The model runs in one process; ``model(input_ids [b, s])`` returns logits ``[b, s, vocab_size]``
-    (unpadded), directly comparable with Hugging Face's. BERT and T5 directories give a
+    (unpadded), directly comparable with Hugging Face's. BERT and T5 give a
     :class:`~mg_models.bert.BertModel` (``model(input_ids, token_type_ids=None, attention_mask=None)
     -> (mlm_logits, binary_logits)``) or a :class:`~mg_models.t5.T5Model` (``model(input_ids,
     decoder_input_ids=..., attention_mask=None) -> (logits, encoder_output)``). A ``*ForSequenceClassification``
     directory gives the model with ``head="classification"``, returning logits ``[b, num_labels]``.
 
-    mg checkpoints (an ``iter_*`` directory or a save directory with ``latest``, any layout) are read by
-    the loaders of :data:`MG_CHECKPOINT_LOADERS`; the first call loads those that installed packages
-    declare as :data:`CHECKPOINT_LOADER_GROUP` entry points (mg-cli does), so plain ``import mg_models``
-    suffices.
+    Loaders of other checkpoint formats (:data:`MG_CHECKPOINT_LOADERS`, and those installed packages declare as
+    :data:`CHECKPOINT_LOADER_GROUP` entry points) are tried first; mg checkpoints and Hugging Face directories are
+    then read by :func:`mg_models.loading.load_model`.
 
     Raises:
         FileNotFoundError: ``path`` is not a directory.
-        ValueError: an unsupported architecture, or a directory no loader recognises (naming any loader
+        ValueError: an unsupported architecture, or a directory nothing recognises (naming any loader
             entry point that failed to load).
     """
+    from mg_models.loading import is_mg_checkpoint, load_model
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory; pass a Hugging Face model directory or an mg checkpoint")
@@ -112,18 +113,11 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
         if loaded is not None:
             config, state = loaded
             return model_from_state(config, state, dtype=dtype, device=device)
-    if (path / "config.json").exists():
-        config, state, _ = read_hf_directory(path)
+    if is_mg_checkpoint(path) or (path / "config.json").exists():
         try:
-            return model_from_state(config, state, dtype=dtype, device=device)
+            return load_model(path, dtype=dtype, device=device, inference=True).model
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    if broken:
-        raise ValueError(f"{path}: not a Hugging Face directory (no config.json), and no mg checkpoint loader "
-                         f"recognises it: {'; '.join(broken)}")
-    if not MG_CHECKPOINT_LOADERS:
-        raise ValueError(f"{path}: not a Hugging Face directory (no config.json), and no mg checkpoint loader is "
-                         f"installed: mg checkpoints are read by mg-cli (pip install mg-cli), which declares one "
-                         f"under the entry-point group {CHECKPOINT_LOADER_GROUP!r}")
-    raise ValueError(f"{path}: neither a Hugging Face directory (no config.json) nor a checkpoint an mg checkpoint "
-                     f"loader recognises (an iter_* directory with metadata.json, or a save directory with latest)")
+            raise ValueError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
+    where = (f"; and no checkpoint loader recognises it: {'; '.join(broken)}" if broken else "")
+    raise ValueError(f"{path}: neither a Hugging Face directory (no config.json) nor an mg checkpoint (an iter_* "
+                     f"directory with metadata.json, or a save directory with latest){where}")

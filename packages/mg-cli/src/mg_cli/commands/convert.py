@@ -53,7 +53,7 @@ def convert(source: str | None, target: str | None, input_path: Path, output_pat
       mg convert --to hf --input ./ckpt --output ./export --tokenizer-dir ./llama-hf
       mg convert --from hf --input ./t5-small-hf --output ./t5-ckpt
     """
-    from mg_cli.checkpoints import is_mg_checkpoint
+    from mg_models.loading import is_mg_checkpoint
 
     if source is None:
         source = "mg" if is_mg_checkpoint(input_path) else "hf"
@@ -88,7 +88,6 @@ def _check_layout(config: Any, tp: int, pp: int) -> None:
 
 def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> None:
     from mg_ckpt import HFSafetensorsReader, StreamingCheckpointWriter
-    from mg_cli.checkpoints import MODEL_PREFIX
     from mg_models.hf import (
         converted_specs,
         hf_model_types,
@@ -97,6 +96,7 @@ def _hf_to_mg(src: Path, out: Path, tp: int, pp: int, max_shard_bytes: int) -> N
         read_hf_config,
         tensor_groups,
     )
+    from mg_models.loading import MODEL_PREFIX
 
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src / 'config.json'} not found; --input must be a Hugging Face model directory "
@@ -160,13 +160,13 @@ def _token_ids(extra: dict[str, Any], model_type: str, config: Any, family: Any)
 
 def _mg_to_hf(src: Path, out: Path, model_type: str | None, max_shard_bytes: int, tokenizer_dir: Path | None) -> None:
     from mg_ckpt import CheckpointError, CheckpointReader, write_hf_safetensors
-    from mg_cli.checkpoints import MODEL_PREFIX, config_from_state, model_family
     from mg_models.hf import config_to_hf, converted_specs, iter_converted, tensor_groups
+    from mg_models.loading import MODEL_PREFIX, checkpoint_config, checkpoint_family
 
     reader = CheckpointReader(str(src), verify=True)  # every file's checksum, once, before converting
     extra = reader.extra
-    config = config_from_state(extra, reader.path)
-    family = get_family(model_family(extra))
+    config = checkpoint_config(extra, reader.path)
+    family = get_family(checkpoint_family(extra))
     model_type = family.hf_export_type(config, model_type, extra.get("hf_model_type"))
     hf_config = config_to_hf(config, model_type)
     hf_config.update(_token_ids(extra, model_type, config, family))

@@ -17,28 +17,27 @@ def _encoder_only(where: str, family: str) -> click.ClickException:
 
 def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]:
     """``(model, checkpoint state or {}, decoder start id if recorded)``; each file's metadata read once."""
-    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint, model_family, read_model_state
-    from mg_models import load_pretrained, model_from_state
     from mg_models.family import family_for_hf, get_family
+    from mg_models.loading import checkpoint_family, is_mg_checkpoint, load_model, source_config
 
     if is_mg_checkpoint(checkpoint):
-        from mg_ckpt import CheckpointReader
-
-        reader = CheckpointReader(checkpoint, verify=False)
-        family = model_family(reader.extra)
+        config, extra = source_config(checkpoint)
+        family = checkpoint_family(extra)
         if get_family(family).kind == "encoder":
             raise _encoder_only(checkpoint, family)
-        config = config_from_state(reader.extra, reader.path)
-        model = model_from_state(config, read_model_state(reader, config, family), dtype=dtype)
-        start = reader.extra.get("decoder_start_token_id")
-        return model, reader.extra, None if start is None else int(start)
+        model = load_model(checkpoint, config=config, dtype=dtype, inference=True).model
+        start = extra.get("decoder_start_token_id")
+        return model, extra, None if start is None else int(start)
     cfg_file = Path(checkpoint) / "config.json"
     hf_config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     fam = family_for_hf(hf_config["model_type"]) if "model_type" in hf_config else None
     if fam is not None and fam.kind == "encoder":
         raise _encoder_only(checkpoint, fam.name)
     start = fam.decoder_start_token_id(hf_config) if fam is not None else None
-    return load_pretrained(checkpoint, dtype=dtype), {}, start
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{checkpoint} is neither a Hugging Face model directory (no config.json) nor an mg "
+                                f"checkpoint")
+    return load_model(checkpoint, dtype=dtype, inference=True).model, {}, start
 
 
 @click.command("generate", context_settings={"show_default": True})

@@ -43,54 +43,26 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
     if env.world_size % (tp * pp):
         raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide {env.world_size} processes")
     init_distributed(env)
-    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint
     from mg_models.config import check_parallel
+    from mg_models.family import family_of
+    from mg_models.loading import load_model as build_and_load
+    from mg_models.loading import source_config
     from mg_parallel.grid import ParallelDims, build_grid
 
-    if is_mg_checkpoint(checkpoint):
-        from mg_ckpt import CheckpointReader
-
-        extra = CheckpointReader(os.fspath(checkpoint), verify=False).extra
-        config, state = config_from_state(extra, os.fspath(checkpoint)), None
-    else:
-        from mg_models.hf import read_hf_directory
-
-        config, state, _ = read_hf_directory(checkpoint)
-        extra = {}
+    config, _ = source_config(checkpoint)
     check_parallel(config, tp=tp, pp=pp)
-    from mg_models.family import family_of
-
     if family_of(config).kind == "encoder-decoder" and pp > 1:
         raise ValueError(f"parallel.pp={pp}: mg eval does not split {family_of(config).name.upper()} into pipeline "
                          f"stages; use parallel.pp=1 with tensor or data parallelism")
     grid = build_grid(ParallelDims(tp=tp, pp=pp))
-    model = _stage_model(config, grid, dtype)
-    if state is None:
-        from mg_cli.training.checkpointing import load
-
-        load(os.fspath(checkpoint), [model], None, grid, load_optimizer=False)
-    else:
-        from mg_cli.training.checkpointing import copy_from_unsharded
-
-        copy_from_unsharded([model], grid, state)
+    loaded = build_and_load(checkpoint, config=config, grid=grid, dtype=dtype, inference=True)
+    model, extra = loaded.model, loaded.extra
     info = {"rank": grid.rank, "tp": tp, "pp": pp, "dp": grid.dp_size, "processes": grid.world_size}
     cls = PipelineRunner if pp > 1 else ModelRunner
     runner = cls(model, max_length=max_length, dp_group=grid.dp_group if grid.dp_size > 1 else None,
                  decoder_start_token_id=decoder_start_token_id(checkpoint, extra))
     runner.grid = grid
     return runner, extra, info
-
-
-def _stage_model(config: Any, grid: Any, dtype: torch.dtype | None) -> torch.nn.Module:
-    """This rank's model: its pipeline stage's layers, its tensor-parallel shard (random until loaded)."""
-    from mg_models.family import StageSpec, family_of
-
-    fam = family_of(config)
-    (layers,) = fam.chunk_ranges(config, grid.pp_size, 1, grid.pp_rank)
-    model = fam.build_stage(config, grid, StageSpec(layer_range=layers, pre_process=grid.is_first_stage,
-                                                    post_process=grid.is_last_stage, dtype=dtype))
-    model.gather_logits_default = True
-    return model.eval()
 
 
 class PipelineRunner(ModelRunner):

@@ -31,15 +31,12 @@ def load_model(checkpoint: str | os.PathLike[str], *, dtype: torch.dtype | None 
     Face directory (state ``{}``).
 
     Raises:
-        FileNotFoundError, ValueError, mg_ckpt.CheckpointError: as :func:`mg_models.load_pretrained`.
+        FileNotFoundError, ValueError, mg_ckpt.CheckpointError: as :func:`mg_models.loading.load_model`.
     """
-    from mg_cli.checkpoints import is_mg_checkpoint, read_mg_checkpoint
-    from mg_models import load_pretrained, model_from_state
+    from mg_models.loading import load_model as build_and_load
 
-    if is_mg_checkpoint(checkpoint):
-        config, state, extra = read_mg_checkpoint(checkpoint)
-        return model_from_state(config, state, dtype=dtype, device=device), extra
-    return load_pretrained(checkpoint, dtype=dtype, device=device), {}
+    loaded = build_and_load(checkpoint, dtype=dtype, device=device, inference=True)
+    return loaded.model, loaded.extra
 
 
 def default_tokenizer(checkpoint: str | os.PathLike[str], extra: dict[str, Any]) -> str | None:

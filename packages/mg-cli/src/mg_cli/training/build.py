@@ -9,7 +9,6 @@ import torch
 from mg_cli.config import RunConfig
 from mg_cli.training.families import check_layout, family, model_config
 from mg_cli.training.setup import TrainingError
-from mg_models.family import StageSpec
 from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer import OptimizerConfig, build_optimizer
@@ -54,22 +53,16 @@ def check_expert_layout(cfg: Any, config: RunConfig) -> None:
 
 
 def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:
-    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured; the family
-    says which layers each holds (GPT and BERT are cut by layer; T5 by its encoder layers then its decoder's)."""
-    dims = grid.dims
+    """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured, built the way
+    every command gets a model (:func:`mg_models.loading.build_model`; the family says which layers each holds)."""
+    from mg_models.loading import build_model
+
     policy = Precision.from_name(config.train.precision)
     # FSDP keeps fp32 main parameters as its shards and casts to the compute dtype when it gathers them.
     dtype = policy.main_param_dtype if config.parallel.fsdp else policy.param_dtype
-    fam = family(config)
-    ranges = fam.chunk_ranges(cfg, dims.pp, dims.vpp, grid.pp_rank)
     recompute = config.make(RecomputeConfig)
-    chunks = []
-    for c, layers in enumerate(ranges):
-        stage = StageSpec(layer_range=layers, pre_process=grid.is_first_stage and c == 0,
-                          post_process=grid.is_last_stage and c == len(ranges) - 1,
-                          sequence_parallel=dims.sequence_parallel, seed=config.train.seed, rng_tracker=rng,
-                          recompute=recompute if recompute.granularity else None, dtype=dtype)
-        chunks.append(fam.build_stage(cfg, grid, stage))
+    chunks = build_model(cfg, grid, dtype=dtype, vpp=grid.dims.vpp, seed=config.train.seed, rng_tracker=rng,
+                         recompute=recompute if recompute.granularity else None, family=family(config))
     return _compiled(chunks, config)
 
 

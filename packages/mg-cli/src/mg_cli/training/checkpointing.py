@@ -2,9 +2,8 @@
 
 Names:
 
-* ``model/<param>``: each model parameter, global name (global layer index), global shape;
-  tensor-parallel shards are blocks of it. A tied output weight on the last pipeline stage is a
-  copy of the word embedding and is not saved separately; it loads from the embedding.
+* ``model/<param>``: each model parameter, global name (global layer index), global shape, as
+  :func:`mg_models.loading.model_pieces` maps them (the model's own loading reads the same pieces).
 * ``optim/<param>/{main_param,exp_avg,exp_avg_sq}``: fp32 optimizer state of the same parameter,
   with the same global shape. With the distributed optimizer each data-parallel rank owns a flat
   range of its tensor-parallel block, which mg-ckpt stores as such and reslices on load.
@@ -25,93 +24,11 @@ import torch
 import torch.distributed as dist
 
 from mg_ckpt import CheckpointSaver, ShardedTensor, load_checkpoint
+from mg_models.loading import checkpoint_key, model_pieces, split_tied, unwrap
 from mg_parallel.grid import ProcessGrid
-from mg_parallel.tags import fsdp_shard, global_block, is_fsdp, is_pipeline_replicated, param_replicas
+from mg_parallel.tags import global_block, param_replicas
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OPT_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return getattr(chunk, "module", chunk)
-
-
-def is_tied_copy(module: torch.nn.Module, name: str) -> bool:
-    # The last stage's own copy of a tied embedding (pp > 1).
-    cfg = getattr(module, "config", None)
-    return (name == "output_layer.weight" and cfg is not None and cfg.tie_word_embeddings
-            and not getattr(module, "pre_process", True))
-
-
-def tied_source(module: torch.nn.Module) -> str:
-    """The global name of the word embedding a tied copy on ``module`` loads from."""
-    return getattr(module, "tied_embedding_name", WORD_EMBEDDING)
-
-
-def is_pipeline_copy(param: torch.Tensor, grid: ProcessGrid) -> bool:
-    """A parameter every pipeline stage holds (T5's position bias tables), on a stage other than the first: the
-    first stage's copy is the one saved."""
-    return is_pipeline_replicated(param) and grid.pp_size > 1 and not grid.is_first_stage
-
-
-def model_state(chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool) -> dict[str, ShardedTensor]:
-    """This rank's model parameters as logical-tensor pieces (templates filled in place on load)."""
-    out: dict[str, ShardedTensor] = {}
-    for chunk in chunks:
-        module = unwrap(chunk)
-        # FSDP's shards are the fp32 main parameters; the model tensors are saved in the dtype the model computes
-        # in, as without FSDP (the fp32 values travel as the optimizer's main_param).
-        policy = getattr(chunk, "precision", None) if getattr(chunk, "fully_sharded", False) else None
-        for name, param in module.named_parameters():
-            key = name
-            if is_pipeline_copy(param, grid) and not for_load:
-                continue
-            if is_tied_copy(module, name):
-                if not for_load:
-                    continue
-                key = tied_source(module)
-            gshape, goffset = global_block(param, grid.tp_size, grid.tp_rank, name=name)
-            r, n = param_replicas(param, grid, dp_sharded=False, name=name)
-            if for_load:
-                r, n = 0, 1  # replica bookkeeping only matters when writing
-            local, flat_range = param.data, None
-            if is_fsdp(param):
-                local, flat_range = fsdp_shard(param)
-                if local.numel() == 0:
-                    continue  # a parameter with fewer rows than the shard group: this rank holds none
-                if not for_load and policy is not None and local.dtype != policy.param_dtype:
-                    local = local.to(policy.param_dtype)
-            out[f"model/{key}" + ("#tied" if key != name else "")] = ShardedTensor(
-                local, gshape, goffset, local_shape=tuple(param.shape), flat_range=flat_range, replica_rank=r,
-                num_replicas=n)
-    return out
-
-
-def copy_from_unsharded(chunks: list[torch.nn.Module], grid: ProcessGrid, state: dict[str, torch.Tensor]
-                        ) -> tuple[set[str], list[str]]:
-    """Copy this rank's block of each parameter of ``chunks`` from ``state`` (unsharded tensors by mg name; a tied
-    output weight reads the word embedding).
-
-    Returns:
-        ``(names of state used, parameters state has no tensor for)``.
-
-    Raises:
-        ValueError: a tensor whose shape differs from the parameter's global shape (names both).
-    """
-    used, missing = set(), []
-    for key, piece in model_state(chunks, grid, for_load=True).items():
-        name = key.removeprefix("model/").split("#")[0]
-        source = state.get(name)
-        if source is None:
-            missing.append(name)
-            continue
-        if tuple(source.shape) != tuple(piece.global_shape):
-            raise ValueError(f"{name} has shape {tuple(source.shape)} but {tuple(piece.global_shape)} in this model")
-        index = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.local.shape))
-        with torch.no_grad():
-            piece.local.copy_(source[index])
-        used.add(name)
-    return used, missing
 
 
 def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: ProcessGrid, *, for_load: bool
@@ -130,13 +47,9 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
         params = dict(module.named_parameters())
         for name, entry in entries.items():
             param = params[name]
-            key = name
-            if is_pipeline_copy(param, grid) and not for_load:
+            key = checkpoint_key(module, name, param, grid, for_load=for_load)
+            if key is None:
                 continue
-            if is_tied_copy(module, name):
-                if not for_load:
-                    continue
-                key = tied_source(module)
             gshape, goffset = global_block(param, grid.tp_size, grid.tp_rank, name=name)
             r, n = param_replicas(param, grid, dp_sharded=distributed, name=name)
             if for_load:
@@ -147,14 +60,6 @@ def optimizer_state(optimizer: Any, chunks: list[torch.nn.Module], grid: Process
                     entry[f], gshape, goffset, local_shape=tuple(entry["shape"]),
                     flat_range=(lo, lo + int(entry["numel"])), replica_rank=r, num_replicas=n)
     return out, state
-
-
-def _split_tied(pieces: dict[str, ShardedTensor]) -> tuple[dict[str, ShardedTensor], dict[str, ShardedTensor]]:
-    """(ordinary pieces, tied copies keyed by the embedding's name): '#tied' keys name the embedding's
-    logical tensor, which the ordinary pieces may also hold, so they are loaded in a second pass."""
-    main = {k: v for k, v in pieces.items() if "#" not in k}
-    tied = {k.split("#")[0]: v for k, v in pieces.items() if "#" in k}
-    return main, tied
 
 
 def rng_state(rng_tracker: Any) -> dict[str, Any]:
@@ -192,7 +97,7 @@ def gather_rng(rng_tracker: Any) -> list[dict[str, Any]]:
 def save(saver: CheckpointSaver, save_dir: str, iteration: int, chunks: list[torch.nn.Module], optimizer: Any,
          grid: ProcessGrid, extra: dict[str, Any], *, async_save: bool, keep_last: int | None) -> Any:
     """Save model + optimizer + ``extra`` as ``save_dir/iter_{iteration:07d}`` through ``saver`` (collective)."""
-    state: dict[str, Any] = model_state(chunks, grid, for_load=False)
+    state: dict[str, Any] = model_pieces(chunks, grid, for_load=False)
     opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=False)
     state.update(opt_pieces)
     extra = dict(extra)
@@ -212,12 +117,12 @@ def load(path: str, chunks: list[torch.nn.Module], optimizer: Any, grid: Process
     Returns:
         The checkpoint's JSON ``state`` (iteration, consumed samples, RNG, config, ...).
     """
-    pieces = model_state(chunks, grid, for_load=True)
+    pieces = model_pieces(chunks, grid, for_load=True)
     opt_state = None
     if load_optimizer:
         opt_pieces, opt_state = optimizer_state(optimizer, chunks, grid, for_load=True)
         pieces.update(opt_pieces)
-    main, tied = _split_tied(pieces)
+    main, tied = split_tied(pieces)
     extra = load_checkpoint(path, main, saver=saver)
     # Collective: every rank takes part, also those without a tied copy (an empty template).
     load_checkpoint(path, tied, verify=False, saver=saver)

@@ -2,9 +2,10 @@
 
 Only the weights come over: the run starts at iteration 1 with a fresh optimizer, schedule and
 data stream. The architecture is the pretrained model's (``model.*`` keys given override it, e.g.
-``model.head: classification``). Every rank reads the whole pretrained model once (one process
-model, unsharded; only where the run starts from it, not on resume) and copies its own tensor-parallel block of each parameter of its pipeline stage,
-so a checkpoint of any layout, or a Hugging Face directory, starts any layout. Parameters the
+``model.head: classification``). Each rank reads its own block of each parameter of its pipeline stage (from an
+mg checkpoint, only those pieces; a Hugging Face directory is read whole), the way every command gets a model
+(:func:`mg_models.loading.fill_model`), so a checkpoint of any layout, or a Hugging Face directory, starts any
+layout. Parameters the
 pretrained model lacks (a new classification head) keep their initialisation; pretrained weights
 this model does not use (an LM head under a classifier) are dropped; both are reported.
 """
@@ -12,7 +13,6 @@ this model does not use (an LM head under a classifier) are dropped; both are re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,14 +24,15 @@ from mg_parallel.grid import ProcessGrid
 
 @dataclass
 class Pretrained:
-    """A pretrained model named by ``checkpoint.init_from``: its architecture, and its weights when first asked for
-    (so the launcher's preflight and a resumed run, which need only the architecture, never read them)."""
+    """A pretrained model named by ``checkpoint.init_from``: its architecture; its weights are read when the run
+    fills its model (:func:`load_weights`) or :attr:`params` is first used, so the launcher's preflight and a resumed
+    run never read them."""
 
     path: str
     family: str
     """The family's name (``model.type``), from the config's class."""
     config: Any
-    """Its architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
+    """Its architecture (the family's config class)."""
     _params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -55,45 +56,20 @@ class Pretrained:
 
 def read_pretrained(path: str) -> Pretrained:
     """The architecture of the model at ``path`` (Hugging Face directory or mg checkpoint of any family and
-    layout), from its config and tensor names; the weights are read when :attr:`Pretrained.params` is first used.
+    layout), from its config and tensor names.
 
     Raises:
         TrainingError: ``path`` is neither, or cannot be read (one line naming it).
     """
     from mg_ckpt import CheckpointError
+    from mg_models.family import family_of
+    from mg_models.loading import source_config
 
     try:
-        config = pretrained_config(path)
+        config, _ = source_config(path)
     except (OSError, ValueError, CheckpointError) as e:
         raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
-    from mg_models.family import family_of
-
     return Pretrained(path=path, family=family_of(config).name, config=config)
-
-
-def pretrained_config(path: str) -> Any:
-    """The model config of an mg checkpoint (its recorded config) or a Hugging Face directory (``config.json`` and
-    the names of its tensors), the same :func:`mg_models.load_pretrained` builds the model from.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a directory, or has neither ``config.json`` nor an mg checkpoint.
-        ValueError, mg_ckpt.CheckpointError: an unsupported architecture, an unreadable checkpoint.
-    """
-    from mg_cli.checkpoints import config_from_state, is_mg_checkpoint
-
-    if is_mg_checkpoint(path):
-        from mg_ckpt import CheckpointReader
-
-        reader = CheckpointReader(path, verify=False)
-        return config_from_state(reader.extra, reader.path)
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (no config.json) nor an mg "
-                                f"checkpoint")
-    from mg_ckpt import HFSafetensorsReader
-    from mg_models.hf import read_hf_config
-
-    reader = HFSafetensorsReader(str(path))
-    return read_hf_config(path, reader.weight_map, reader.read)[0]
 
 
 def architecture(pretrained: Pretrained, model_type: str) -> dict[str, Any]:
@@ -120,29 +96,34 @@ def check_vocabulary(pretrained: Pretrained, vocab_size: int, tokenizer_path: st
 
 
 def load_weights(chunks: list[torch.nn.Module], grid: ProcessGrid, pretrained: Pretrained) -> str:
-    """Copy this rank's block of every pretrained parameter into ``chunks`` (collective: one all-gather of names).
+    """Fill this rank's block of every pretrained parameter into ``chunks`` (:func:`mg_models.loading.fill_model`,
+    not strict; collective: one all-gather of names).
 
     Returns:
         The one-line report: tensors loaded, parameters initialised because the pretrained model lacks them,
         pretrained tensors no rank's model uses (dropped).
 
     Raises:
-        TrainingError: a parameter whose global shape differs from the pretrained tensor's (names both).
+        TrainingError: the weights cannot be read, or a parameter whose global shape differs from the pretrained
+            tensor's (names both).
     """
-    from mg_cli.training.checkpointing import copy_from_unsharded
+    from mg_ckpt import CheckpointError
+    from mg_models.loading import fill_model
 
     try:
-        used, fresh = copy_from_unsharded(chunks, grid, pretrained.params)
+        loaded = fill_model(chunks, grid, pretrained.path, strict=False)
     except ValueError as e:
         raise TrainingError(f"checkpoint.init_from: {pretrained.path}: {e}; the model.* keys given change the "
                             f"architecture") from None
-    everyone = [(sorted(used), fresh)]
+    except (OSError, CheckpointError) as e:
+        raise TrainingError(f"checkpoint.init_from: {str(e).splitlines()[0]}") from None
+    everyone = [(sorted(loaded.used), loaded.missing)]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(everyone, (sorted(used), fresh))
+        dist.all_gather_object(everyone, (sorted(loaded.used), loaded.missing))
     used_anywhere = {k for keys, _ in everyone for k in keys}
     fresh_anywhere = sorted({k for _, names in everyone for k in names})
-    dropped = sorted(set(pretrained.params) - used_anywhere)
-    return (f"init_from {pretrained.path}: loaded {len(used_anywhere)} of {len(pretrained.params)} tensors"
+    dropped = sorted(loaded.source_names - used_anywhere)
+    return (f"init_from {pretrained.path}: loaded {len(used_anywhere)} of {len(loaded.source_names)} tensors"
             f"; initialised (not in the pretrained model): {', '.join(fresh_anywhere) or 'none'}"
             f"; dropped (unused by this model): {', '.join(dropped) or 'none'}")

@@ -47,7 +47,7 @@ class LoopTasks:
         from mg_cli.evaluation.lm import LMScorer
         from mg_cli.evaluation.options import EvalOptions
         from mg_cli.evaluation.runner import ModelRunner
-        from mg_cli.training.checkpointing import unwrap
+        from mg_models.loading import unwrap
 
         grid = run.grid
         self.model = unwrap(run.model[0])  # the DDP wrapper's chunk
