@@ -1,4 +1,5 @@
-"""keep_freed_memory: a large tensor freed and allocated again costs no page faults inside, and does outside."""
+"""keep_freed_memory: a large tensor allocated and freed step after step costs no page faults inside once the
+steps are in their steady state (from the fourth allocation on), and every time outside."""
 
 from __future__ import annotations
 
@@ -12,27 +13,31 @@ from mg_cli.training.allocator import _glibc, keep_freed_memory
 MIB = 2**20
 
 
-def _faults_of_second_allocation(numel: int) -> int:
-    """Page faults of allocating and filling a tensor of ``numel`` fp32 values after one of the same size was
-    freed."""
-    torch.empty(numel).fill_(1.0)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(numel).fill_(2.0)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def _faults_per_cycle(numel: int, cycles: int) -> list[int]:
+    """Page faults of each of ``cycles`` allocate-fill-free cycles of a tensor of ``numel`` fp32 values (what a
+    training step does with its large temporaries)."""
+    out = []
+    for _ in range(cycles):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.empty(numel).fill_(2.0)
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return out
 
 
 @pytest.mark.skipif(_glibc() is None, reason="the setting is glibc's (Linux)")
-@pytest.mark.xfail(strict=False, reason="in about half of the processes measured on a 2-core AVX-512 machine the "
-                   "reallocated 64 MiB block still faulted every page inside the block; the cause is not known yet")
 def test_freed_memory_is_reused_inside_and_returned_after() -> None:
     numel = 64 * MIB // 4  # above glibc's largest mmap threshold (32 MiB): always a fresh mmap by default
     pages = 64 * MIB // resource.getpagesize()
-    default = _faults_of_second_allocation(numel)  # every page faults again (fewer with transparent huge pages)
+    default = _faults_per_cycle(numel, 3)  # every page faults again (fewer with transparent huge pages)
     with keep_freed_memory() as active:
         assert active
-        assert _faults_of_second_allocation(numel) < pages // 100
-    after = _faults_of_second_allocation(numel)
-    assert after > min(default, pages) // 2  # glibc's limits again after the block
+        inside = _faults_per_cycle(numel, 6)
+    # A reallocation may not fit the freed block (posix_memalign asks for more than its size): one of the second
+    # and third cycles may extend the heap, and from the fourth on every cycle reuses what the last one freed.
+    assert sum(f >= pages // 2 for f in inside[1:3]) <= 1, inside
+    assert all(f < pages // 100 for f in inside[3:]), inside
+    after = _faults_per_cycle(numel, 2)
+    assert all(f > min(min(default), pages) // 2 for f in after), (default, after)  # glibc's limits again
 
 
 def test_disabled_leaves_the_allocator_alone() -> None:

@@ -7,8 +7,13 @@ system past a trim threshold. A training step allocates and frees the same large
 gradients), so each step pays the kernel's page faults and page zeroing again: about 70 thousand
 faults and 0.1-0.15 s of system time in a 2.5-3 s step on one thread, slower still while other
 processes compete for memory bandwidth. :func:`keep_freed_memory` tells glibc to serve every block from its heap and
-keep what is freed, so from the second step on the same memory is reused without a fault. Values
-are untouched: only where tensors live changes.
+keep what is freed, so the same memory is reused without a fault. Values are untouched: only where tensors live
+changes.
+
+Reuse starts with the second to fourth step: torch allocates with ``posix_memalign``, whose request is the size plus
+the alignment plus a minimum chunk, so a freed block of exactly that size is too small for the next request of the
+same size unless it borders the heap's free top; then that request extends the heap once, and from then on each
+freed block is at the top and taken again.
 """
 
 from __future__ import annotations
