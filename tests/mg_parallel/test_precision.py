@@ -9,7 +9,7 @@ from mg_parallel import Precision
 from mg_parallel.distributed import DistributedDataParallel
 from mg_parallel.grid import ParallelDims, ProcessGrid, build_grid
 from mg_parallel.optimizer import ConstantLossScaler, DynamicLossScaler, OptimizerConfig, build_optimizer
-from mg_parallel.precision import PRECISION_NAMES
+from mg_parallel.precision import PRECISION_NAMES, LossScaling
 from mg_parallel.testing import run_distributed
 
 from .test_training_parity import train
@@ -135,3 +135,30 @@ def test_ddp_and_optimizer_follow_the_policy():
     fp16 = build_optimizer([DistributedDataParallel(nn.Linear(4, 4).half(), grid, precision="fp16")], grid,
                            OptimizerConfig(precision="fp16", loss_scale=64.0))
     assert isinstance(fp16.scaler, ConstantLossScaler) and fp16.loss_scale == 64.0
+
+
+def test_the_policy_carries_its_loss_scaling_and_the_optimizer_takes_the_object():
+    """OptimizerConfig.precision_policy() is the key's policy with its loss scaling; build_optimizer keeps the object
+    it is given (recipe and scaling included) and refuses one of another name."""
+    from mg_parallel.gemm import Gemm
+
+    class Recipe(Gemm):
+        pass
+
+    config = OptimizerConfig(precision="fp16", loss_scale=32.0)
+    policy = config.precision_policy(gemm=Recipe())
+    assert policy.name == "fp16" and isinstance(policy.gemm, Recipe)
+    assert policy.loss_scaling == LossScaling(loss_scale=32.0)
+    dynamic = OptimizerConfig(precision="fp16", initial_loss_scale=8.0, loss_scale_window=5).precision_policy()
+    scaler = dynamic.build_loss_scaler()
+    assert isinstance(scaler, DynamicLossScaler) and (scaler.scale, scaler.growth_interval) == (8.0, 5)
+    assert isinstance(dynamic.build_loss_scaler(loss_scale=2.0), ConstantLossScaler)  # an override wins
+    grid = ProcessGrid.single()
+    ddp = DistributedDataParallel(nn.Linear(4, 4).half(), grid, precision=policy)
+    opt = build_optimizer([ddp], grid, config, precision=policy)
+    assert opt.precision is policy and isinstance(opt.scaler, ConstantLossScaler) and opt.loss_scale == 32.0
+    with pytest.raises(ValueError, match=r"precision='bf16' but optimizer.precision='fp16'"):
+        build_optimizer([DistributedDataParallel(nn.Linear(4, 4).half(), grid, precision=policy)], grid, config,
+                        precision=Precision.from_name("bf16"))
+    with pytest.raises(ValueError, match="loss_scale_window and hysteresis must be >= 1"):
+        LossScaling(hysteresis=0)

@@ -375,10 +375,10 @@ class FullyShardedChunk(nn.Module):
         # Under a pipeline schedule several micro-batches are between forward and backward at once; keeping
         # a stage's parameters gathered until their backward saves an all-gather per micro-batch (None: pp == 1).
         reshard = grid.pp_size == 1 if reshard_after_forward is None else reshard_after_forward
-        self.module = apply_fsdp(module, grid, precision, shard_size=shard_size, offload=offload,
-                                 reshard_after_forward=reshard)
         self.precision = Precision.resolve(precision)
         """The precision policy: fp32 shards, gathered and computed in its compute dtype."""
+        self.module = apply_fsdp(module, grid, self.precision, shard_size=shard_size, offload=offload,
+                                 reshard_after_forward=reshard)
         self.shard_size = shard_size or grid.dp_size * grid.cp_size
         """Ranks each parameter is split over (all data-parallel ranks unless hybrid-sharded)."""
         self.offload = offload

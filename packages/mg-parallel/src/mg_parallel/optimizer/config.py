@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mg_parallel.precision import PRECISION_NAMES
+from mg_parallel.gemm import PLAIN_GEMM, Gemm
+from mg_parallel.precision import PRECISION_NAMES, LossScaling, Precision
 
 __all__ = ["OptimizerConfig"]
 
@@ -70,3 +71,12 @@ class OptimizerConfig:
             raise ValueError("optimizer.loss_scale_window and optimizer.hysteresis must be >= 1")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("optimizer.overlap_param_gather needs optimizer.use_distributed_optimizer=true")
+
+    def precision_policy(self, *, gemm: Gemm = PLAIN_GEMM) -> Precision:
+        """The :class:`~mg_parallel.precision.Precision` of ``precision`` and the loss-scaling fields, its matmuls
+        computed by ``gemm``: make it once where a run starts and pass the object to the model, its wrapper and
+        :func:`~mg_parallel.optimizer.build_optimizer`."""
+        scaling = LossScaling(loss_scale=self.loss_scale, initial_loss_scale=self.initial_loss_scale,
+                              min_loss_scale=self.min_loss_scale, loss_scale_window=self.loss_scale_window,
+                              hysteresis=self.hysteresis)
+        return Precision.from_name(self.precision, gemm=gemm, loss_scaling=scaling)

@@ -23,6 +23,7 @@ from mg_parallel.grid import ProcessGrid
 from mg_parallel.optimizer.clip import counts_in_norm
 from mg_parallel.optimizer.config import OptimizerConfig
 from mg_parallel.optimizer.optimizer import MegatronStyleOptimizer, _Piece
+from mg_parallel.precision import Precision
 from mg_parallel.tensor_parallel.utils import is_tensor_parallel
 
 __all__ = ["FSDPOptimizer"]
@@ -32,13 +33,14 @@ class FSDPOptimizer(MegatronStyleOptimizer):
     """:class:`MegatronStyleOptimizer` over the local shards of FSDP-sharded chunks (build it with
     :func:`~mg_parallel.optimizer.build_optimizer` on ``FullyShardedChunk`` s)."""
 
-    def __init__(self, model_chunks: list[Any], grid: ProcessGrid, config: OptimizerConfig) -> None:
+    def __init__(self, model_chunks: list[Any], grid: ProcessGrid, config: OptimizerConfig,
+                 precision: Precision | None = None) -> None:
         from mg_parallel.distributed.fsdp import local_flat_range, replicas
 
         if config.use_distributed_optimizer:
             raise ValueError("FSDP-sharded chunks already shard the optimizer state; set "
                              "use_distributed_optimizer: false")
-        self._setup(model_chunks, grid, config)
+        self._setup(model_chunks, grid, config, precision)
         self.sharded = True
         main_dtype = self.precision.main_param_dtype
         for ci, chunk in enumerate(model_chunks):

@@ -62,8 +62,9 @@ class MegatronStyleOptimizer:
     ``finalize_model_grads(...)``, then ``step()``.
     """
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], grid: ProcessGrid, config: OptimizerConfig) -> None:
-        self._setup(model_chunks, grid, config)
+    def __init__(self, model_chunks: list[DistributedDataParallel], grid: ProcessGrid, config: OptimizerConfig,
+                 precision: Precision | None = None) -> None:
+        self._setup(model_chunks, grid, config, precision)
         model_dtype = self.precision.param_dtype
         for ci, chunk in enumerate(model_chunks):
             names = {id(p): n for n, p in chunk.module.named_parameters()}
@@ -82,7 +83,8 @@ class MegatronStyleOptimizer:
                     self._add_bucket(ci, chunk, buf, bucket, names)
         self._dedupe_groups()
 
-    def _setup(self, model_chunks: list[Any], grid: ProcessGrid, config: OptimizerConfig) -> None:
+    def _setup(self, model_chunks: list[Any], grid: ProcessGrid, config: OptimizerConfig,
+               precision: Precision | None) -> None:
         self.chunks = model_chunks
         self.grid = grid
         self.config = config
@@ -90,13 +92,14 @@ class MegatronStyleOptimizer:
         self.sharded = self.distributed
         """Each data-parallel rank holds a different part of the gradients (the norm sums over dp too)."""
         self.step_count = 0
-        self.precision = Precision.from_name(config.precision)
-        """The precision policy of ``config.precision``."""
-        self.scaler: LossScaler | None = self.precision.build_loss_scaler(
-            loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
-            min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
-            hysteresis=config.hysteresis,
-        )
+        if precision is None:
+            precision = config.precision_policy()
+        elif precision.name != config.precision:
+            raise ValueError(f"precision={precision.name!r} but optimizer.precision={config.precision!r}; pass the "
+                             f"policy of the config (config.precision_policy()), or set optimizer.precision to match")
+        self.precision = precision
+        """The precision policy: the one given, else ``config.precision_policy()``."""
+        self.scaler: LossScaler | None = self.precision.build_loss_scaler()
         base = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps}
         self.param_groups: list[dict[str, Any]] = [
             {**base, "name": "decay", "weight_decay": config.weight_decay, "params": []},
@@ -335,13 +338,17 @@ class MegatronStyleOptimizer:
                 chunk.start_param_sync(overlap=False)
 
 
-def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid, config: OptimizerConfig) -> MegatronStyleOptimizer:
+def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid, config: OptimizerConfig, *,
+                    precision: Precision | None = None) -> MegatronStyleOptimizer:
     """Build the optimizer for this rank's DDP-wrapped model chunks, or for FSDP-sharded ones
     (:class:`~mg_parallel.distributed.fsdp.FullyShardedChunk`: an :class:`~mg_parallel.optimizer.fsdp.FSDPOptimizer`).
 
+    ``precision`` is the policy the model was built and wrapped with (its loss scaling builds fp16's scaler);
+    None makes it from ``config`` (:meth:`OptimizerConfig.precision_policy`).
+
     Raises:
-        ValueError: a chunk is neither a :class:`DistributedDataParallel` nor a ``FullyShardedChunk`` (or
-            chunks mix the two), or its
+        ValueError: ``precision`` is not ``config.precision``'s policy (its name differs); a chunk is neither a
+            :class:`DistributedDataParallel` nor a ``FullyShardedChunk`` (or chunks mix the two), or its
             ``use_distributed_optimizer`` disagrees with ``config.use_distributed_optimizer``, or
             (tp > 1) a parameter has no tensor-parallel tag (the message names it).
     """
@@ -352,7 +359,7 @@ def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid
 
         if not all(sharded):
             raise ValueError("some model chunks are FullyShardedChunk and some are not; shard all or none")
-        return FSDPOptimizer(chunks, grid, config)
+        return FSDPOptimizer(chunks, grid, config, precision)
     for i, c in enumerate(chunks):
         if not isinstance(c, DistributedDataParallel):
             raise ValueError(
@@ -364,4 +371,4 @@ def build_optimizer(model_chunks: list[nn.Module] | nn.Module, grid: ProcessGrid
                 f"model chunk {i} was wrapped with use_distributed_optimizer={c.use_distributed_optimizer} but "
                 f"optimizer.use_distributed_optimizer={config.use_distributed_optimizer}; pass the same value to both"
             )
-    return MegatronStyleOptimizer(chunks, grid, config)
+    return MegatronStyleOptimizer(chunks, grid, config, precision)
