@@ -100,10 +100,12 @@ def test_speed_vs_fp32_and_the_start_up_line(monkeypatch):
     step_rate = 3 / (1 / 8e9 + 1 / 2e9 + 1 / 24e9)  # equal FLOPs in each layout
     assert throughput.matmul_speed_vs_fp32(torch.bfloat16, CPU) == pytest.approx(step_rate / 80e9)
     assert throughput.matmul_speed_vs_fp32(torch.float32, CPU) == 1.0
-    assert throughput.slower_than_fp32_note("bf16", torch.bfloat16, CPU) == (
+    from mg_parallel.precision import Precision
+
+    assert throughput.slower_than_fp32_note(Precision.from_name("bf16"), CPU) == (
         "train.precision=bf16: bf16 matmuls run 0.056x fp32 on this cpu; fp32 would be faster")
-    assert throughput.slower_than_fp32_note("fp32", torch.float32, CPU) is None
-    assert throughput.slower_than_fp32_note("fp16", torch.float16, CPU) is None  # faster: nothing to say
+    assert throughput.slower_than_fp32_note(Precision.from_name("fp32"), CPU) is None
+    assert throughput.slower_than_fp32_note(Precision.from_name("fp16"), CPU) is None  # faster: nothing to say
 
 
 def test_utilization_is_never_capped():
@@ -167,12 +169,13 @@ def test_step_record_accounting():
     from types import SimpleNamespace
 
     from mg_cli.training.metrics import step_record
+    from mg_parallel.precision import Precision
 
     def record(peak_flops_per_s: float, seconds: float = 0.25) -> dict:
         run = SimpleNamespace(
             config=SimpleNamespace(train=SimpleNamespace(global_batch_size=8), model=SimpleNamespace(seq_length=32)),
             flops_per_token=3.0e6, grid=SimpleNamespace(world_size=2, device=CPU),
-            optimizer=SimpleNamespace(loss_scale=1.0), fp16=False)
+            optimizer=SimpleNamespace(loss_scale=1.0), precision=Precision.from_name("fp32"))
         result = SimpleNamespace(iteration=5, loss=2.0, parts={}, lr=1e-3, grad_norm=0.5, seconds=seconds,
                                  applied=True, compile_seconds=0.0)
         return step_record(run, result, PeakFlops(peak_flops_per_s, "configured log.peak_tflops"))

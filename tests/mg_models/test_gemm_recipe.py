@@ -118,3 +118,27 @@ def test_every_matmul_goes_through_the_recipe(name):
     assert not audit.outside, f"{name}: matmuls outside the GEMM recipe: {sorted(set(audit.outside))}"
     assert sum(audit.inside.values()) == sum(recipe.calls.values()) > 0
     assert recipe.calls == _expected_calls(name, model.config)
+
+
+def test_load_model_applies_the_precision_policy():
+    """``load_model(precision=policy)`` builds the parameters in the policy's dtype and every layer multiplies
+    through the policy's recipe (a forward pass counts its calls); no precision keeps the plain recipe."""
+    from mg_models.loading import load_model
+    from mg_parallel.gemm import PLAIN_GEMM, Gemm
+    from mg_parallel.precision import Precision
+
+    config = get_config("tiny-llama", vocab_size=V)
+    recipe = CountingGemm()
+    model = load_model(config=config, precision=Precision.from_name("bf16", gemm=recipe), inference=True).model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    holders = [m for m in model.modules() if isinstance(m.__dict__.get("gemm"), Gemm)]
+    assert holders and all(m.gemm is recipe for m in holders)
+    with torch.no_grad():
+        logits = model(_ids(B, S))
+    assert logits.dtype == torch.bfloat16 and recipe.calls["linear"] > 0
+    plain = load_model(config=config).model
+    assert {p.dtype for p in plain.parameters()} == {torch.get_default_dtype()}
+    assert all(m.gemm is PLAIN_GEMM for m in plain.modules() if isinstance(m.__dict__.get("gemm"), Gemm))
+    assert {p.dtype for p in load_model(config=config, precision="fp16").model.parameters()} == {torch.float16}
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        load_model(config=config, precision="fp8")

@@ -1,6 +1,9 @@
 """One way to get a model: build a family's model at a layout and precision, and fill it from an mg checkpoint
 (saved at any layout), a Hugging Face directory, or nothing.
 
+The precision is a :class:`mg_parallel.precision.Precision` policy (or its name): the parameters are built in its
+dtype and every layer multiplies through its GEMM recipe, so the policy's recipe is what the model computes with.
+
 :func:`load_model` is what ``mg train`` (fresh, ``checkpoint.init_from``), ``mg eval``, ``mg generate`` and
 :func:`mg_models.load_pretrained` call; a resumed run loads the same model pieces (:func:`model_pieces`) with its
 optimizer's in one read.
@@ -26,7 +29,9 @@ import torch.distributed as dist
 from mg_ckpt import CheckpointReader, ShardedTensor, load_checkpoint
 from mg_models.family import FamilyError, ModelFamily, StageSpec, family_of, get_family
 from mg_models.heads import WORD_EMBEDDING
+from mg_parallel.gemm import use_gemm
 from mg_parallel.grid import ProcessGrid
+from mg_parallel.precision import Precision
 from mg_parallel.tags import fsdp_shard, global_block, is_fsdp, is_pipeline_replicated, param_replicas
 
 __all__ = [
@@ -205,19 +210,37 @@ def copy_from_unsharded(chunks: list[torch.nn.Module], grid: ProcessGrid, state:
 
 
 # -- building and filling ---------------------------------------------------------------------------------------
-def build_model(config: Any, grid: ProcessGrid | None = None, *, dtype: torch.dtype | None = None, vpp: int = 1,
-                seed: int = 1234, rng_tracker: Any = None, recompute: Any = None,
-                family: ModelFamily | None = None) -> list[torch.nn.Module]:
+def build_model(config: Any, grid: ProcessGrid | None = None, *, precision: Precision | str | None = None,
+                dtype: torch.dtype | None = None, vpp: int = 1, seed: int = 1234, rng_tracker: Any = None,
+                recompute: Any = None, family: ModelFamily | None = None) -> list[torch.nn.Module]:
     """This rank's model chunks of ``config`` at ``grid`` (one per virtual pipeline stage; a single-process grid
     by default), with freshly initialised weights (values derive from ``(seed, global name)``, so every layout
-    holds slices of the same global tensors)."""
+    holds slices of the same global tensors).
+
+    Args:
+        precision: the policy (or its name, ``"fp32"``/``"bf16"``/``"fp16"``) the model computes in: its
+            parameters are in its ``param_dtype`` and every layer multiplies through its GEMM recipe
+            (:func:`mg_parallel.gemm.use_gemm` on each chunk). None: the default dtype and the plain recipe.
+        dtype: the parameters' dtype when it is not the policy's (FSDP keeps the policy's fp32 main parameters
+            as its shards and casts to the compute dtype itself); None: the policy's ``param_dtype``.
+
+    Raises:
+        ValueError: an unknown precision name (the message lists the valid ones).
+    """
     grid = grid or ProcessGrid.single()
     family = family or family_of(config)
+    policy = None if precision is None else Precision.resolve(precision)
+    if dtype is None and policy is not None:
+        dtype = policy.param_dtype
     ranges = family.chunk_ranges(config, grid.pp_size, vpp, grid.pp_rank)
-    return [family.build_stage(config, grid, StageSpec(
+    chunks = [family.build_stage(config, grid, StageSpec(
         layer_range=layers, pre_process=grid.is_first_stage and c == 0,
         post_process=grid.is_last_stage and c == len(ranges) - 1, sequence_parallel=grid.dims.sequence_parallel,
         seed=seed, rng_tracker=rng_tracker, recompute=recompute, dtype=dtype)) for c, layers in enumerate(ranges)]
+    if policy is not None:
+        for chunk in chunks:
+            use_gemm(chunk, policy.gemm)
+    return chunks
 
 
 @dataclass
@@ -290,8 +313,9 @@ def fill_model(chunks: list[torch.nn.Module], grid: ProcessGrid, source: str | o
 
 
 def load_model(source: str | os.PathLike[str] | None = None, *, config: Any = None, grid: ProcessGrid | None = None,
-               dtype: torch.dtype | None = None, device: torch.device | str | None = None, strict: bool = True,
-               inference: bool = False, **build: Any) -> LoadedModel:
+               precision: Precision | str | None = None, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, strict: bool = True, inference: bool = False,
+               **build: Any) -> LoadedModel:
     """Build a model at a layout and precision and fill it: the one way mg gets a model.
 
     Args:
@@ -300,14 +324,16 @@ def load_model(source: str | os.PathLike[str] | None = None, *, config: Any = No
         config: the architecture; None takes the source's. Given with a source, it may differ where the source
             lacks tensors (a new classification head) when ``strict`` is False.
         grid: the layout (this rank's part of it); None: one process on ``device``.
-        dtype: parameter dtype (the precision's; None: the default dtype).
+        precision: the policy (or its name) the model computes in: parameters in its ``param_dtype``, every
+            layer's matmuls through its GEMM recipe (see :func:`build_model`). None: the default dtype, plain recipe.
+        dtype: parameter dtype when it is not the policy's (None: the policy's, else the default dtype).
         strict: every parameter must come from the source.
         inference: in eval mode, returning full unpadded logits by default (what scoring and generation want).
         build: more :func:`build_model` options (``vpp``, ``seed``, ``rng_tracker``, ``recompute``).
 
     Raises:
         ValueError: no config and no source, a source that does not match the model (names the tensor), an
-            unsupported architecture.
+            unsupported architecture, an unknown precision name.
         FileNotFoundError, mg_ckpt.CheckpointError: an unreadable source (names the file).
     """
     if grid is None:
@@ -321,7 +347,7 @@ def load_model(source: str | os.PathLike[str] | None = None, *, config: Any = No
         family = family_of(config)
     except FamilyError as e:
         raise ValueError(str(e)) from None
-    chunks = build_model(config, grid, dtype=dtype, family=family, **build)
+    chunks = build_model(config, grid, precision=precision, dtype=dtype, family=family, **build)
     if inference:
         for chunk in chunks:
             chunk.gather_logits_default = True

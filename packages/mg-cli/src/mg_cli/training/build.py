@@ -52,17 +52,19 @@ def check_expert_layout(cfg: Any, config: RunConfig) -> None:
                             f"ranks that hold different ones); use the distributed optimizer instead")
 
 
-def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker) -> list[torch.nn.Module]:
+def build_model_chunks(cfg: Any, config: RunConfig, grid: ProcessGrid, rng: RNGTracker, precision: Precision
+                       ) -> list[torch.nn.Module]:
     """This pipeline rank's model chunks (one per virtual stage), with recomputation as configured, built the way
-    every command gets a model (:func:`mg_models.loading.build_model`; the family says which layers each holds)."""
+    every command gets a model (:func:`mg_models.loading.build_model`; the family says which layers each holds), in
+    ``precision`` (the run's policy: its parameter dtype and GEMM recipe)."""
     from mg_models.loading import build_model
 
-    policy = Precision.from_name(config.train.precision)
     # FSDP keeps fp32 main parameters as its shards and casts to the compute dtype when it gathers them.
-    dtype = policy.main_param_dtype if config.parallel.fsdp else policy.param_dtype
+    dtype = precision.main_param_dtype if config.parallel.fsdp else None
     recompute = config.make(RecomputeConfig)
-    chunks = build_model(cfg, grid, dtype=dtype, vpp=grid.dims.vpp, seed=config.train.seed, rng_tracker=rng,
-                         recompute=recompute if recompute.granularity else None, family=family(config))
+    chunks = build_model(cfg, grid, precision=precision, dtype=dtype, vpp=grid.dims.vpp, seed=config.train.seed,
+                         rng_tracker=rng, recompute=recompute if recompute.granularity else None,
+                         family=family(config))
     return _compiled(chunks, config)
 
 
@@ -76,13 +78,13 @@ def _compiled(chunks: list[torch.nn.Module], config: RunConfig) -> list[torch.nn
     return chunks
 
 
-def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, grid: ProcessGrid) -> tuple[list[Any], Any]:
+def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, grid: ProcessGrid,
+                             precision: Precision) -> tuple[list[Any], Any]:
     """DDP-wrap (or, with ``parallel.fsdp``, FSDP-shard) every chunk and build the optimizer over them, from
-    ``OptimizerConfig`` and ``FSDPConfig``."""
+    ``OptimizerConfig`` and ``FSDPConfig``, all in ``precision`` (the run's policy)."""
     from mg_parallel.distributed.fsdp_mesh import FSDPConfig
 
     opt_config = config.make(OptimizerConfig)
-    precision = Precision.from_name(opt_config.precision)
     fsdp = config.make(FSDPConfig)
     if fsdp.fsdp:
         from mg_parallel.distributed.fsdp import FullyShardedChunk
@@ -92,4 +94,4 @@ def wrap_and_build_optimizer(chunks: list[torch.nn.Module], config: RunConfig, g
     else:
         wrapped = [DistributedDataParallel(chunk, grid, use_distributed_optimizer=opt_config.use_distributed_optimizer,
                                            precision=precision) for chunk in chunks]
-    return wrapped, build_optimizer(wrapped, grid, opt_config)
+    return wrapped, build_optimizer(wrapped, grid, opt_config, precision=precision)

@@ -20,6 +20,7 @@ from mg_cli.training.setup import (
     check_config,
     init_distributed,
     read_env,
+    resolve_precision,
     set_threads,
 )
 from mg_cli.training.signals import SAVE, STOP, SignalFlag
@@ -73,6 +74,7 @@ def preflight(config: RunConfig, env: Env) -> Plan:
         TrainingError: naming the key or file at fault.
     """
     dims = check_config(config, env)
+    precision = resolve_precision(config)
     from mg_cli.training.metrics import check_log_extras
 
     check_log_extras(config)
@@ -105,8 +107,8 @@ def preflight(config: RunConfig, env: Env) -> Plan:
         raise TrainingError(str(e)) from None
     from mg_cli.training.tasks import parse_tasks
 
-    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, pretrained=pretrained,
-                labels=labels, tasks=parse_tasks(config), datasets=built)
+    return Plan(dims=dims, tokenizer=tokenizer, model_config=model_cfg, schedule=schedule, precision=precision,
+                pretrained=pretrained, labels=labels, tasks=parse_tasks(config), datasets=built)
 
 
 def _resolve_load(config: RunConfig, resume: bool) -> str | None:
@@ -136,7 +138,7 @@ def _train(config: RunConfig, env: Env, plan: Plan, load_path: str | None, stop:
     valid = run.data.valid_batches() if config.eval.interval or config.eval.iters else None
     # Per device, fixed for the run: log.peak_tflops, else published for known GPUs, else measured here, before
     # data workers, TensorBoard or W&B start.
-    peak = peak_flops(run.dtype, run.grid.device, configured_tflops=config.log.peak_tflops)
+    peak = peak_flops(run.precision.compute_dtype, run.grid.device, configured_tflops=config.log.peak_tflops)
     logger = MetricsLogger(config.log.dir, enabled=env.is_main, total_iters=t.iters, start_iter=start_iter,
                            tensorboard=config.log.tensorboard, wandb=wandb_init_args(config) if env.is_main else None)
     report_start(run, logger, peak)

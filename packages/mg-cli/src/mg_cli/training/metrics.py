@@ -204,7 +204,6 @@ def effective_settings(run: Any) -> dict[str, Any]:
     ``train.compile`` also compiled_layers (this rank's layers that run compiled).
     """
     from mg_models.compilation import compiled_layers
-    from mg_parallel.precision import PRECISION_NAMES, Precision
 
     inner = [getattr(chunk, "module", chunk) for chunk in run.model]
     ctx = inner[0].ctx
@@ -212,11 +211,12 @@ def effective_settings(run: Any) -> dict[str, Any]:
     recompute = "none"
     if rc is not None and rc.granularity is not None:
         recompute = rc.granularity + (f":{rc.num_layers} layers" if rc.num_layers is not None else "")
-    dtype = next(inner[0].parameters()).dtype
-    precision = next((n for n in PRECISION_NAMES if Precision.from_name(n).param_dtype == dtype), str(dtype))
     fsdp = run.model[0] if getattr(run.model[0], "fully_sharded", False) else None
-    if fsdp is not None:  # fp32 shards, gathered in the policy's compute dtype
-        precision = fsdp.precision.name
+    # The policy's name when the built parameters are in its dtype (FSDP: fp32 shards, gathered in the policy's
+    # compute dtype), else the dtype they really have.
+    policy = fsdp.precision if fsdp is not None else run.precision
+    dtype = next(inner[0].parameters()).dtype
+    precision = policy.name if dtype == (policy.main_param_dtype if fsdp else policy.param_dtype) else str(dtype)
     grid = run.grid
     return {
         "tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size, "vpp": len(inner),
@@ -254,11 +254,11 @@ def fast_paths(run: Any) -> dict[str, str]:
     if run.grid.cp_size > 1:  # the blocks' kernel (a2a runs SDPA on the whole sequence of its heads)
         from mg_parallel.context_parallel import block_attention_impl
 
-        kernel = "sdpa" if config.parallel.cp_comm == "a2a" else block_attention_impl(device, run.dtype, "causal",
-                                                                                      heads)
+        dtype = run.precision.compute_dtype
+        kernel = "sdpa" if config.parallel.cp_comm == "a2a" else block_attention_impl(device, dtype, "causal", heads)
         paths["attention"] = f"context_parallel:{config.parallel.cp_comm}:{kernel}"
     else:
-        q = torch.zeros(1, 1, 8, heads, dtype=run.dtype, device=device)
+        q = torch.zeros(1, 1, 8, heads, dtype=run.precision.compute_dtype, device=device)
         causal = get_family(config.model.type).kind == "decoder"
         plain = causal and config.data.format == "pretrain" and not getattr(cfg, "sliding_window", None)
         mask = None if plain else torch.ones(8, 8, dtype=torch.bool, device=device)
@@ -312,7 +312,7 @@ def report_start(run: Any, logger: MetricsLogger, peak: Any) -> None:
                        "kernels do not take): slower, and memory quadratic in the sequence length")
     if run.init_report is not None:
         logger.message(run.init_report)
-    slower = slower_than_fp32_note(config.train.precision, run.dtype, run.grid.device)
+    slower = slower_than_fp32_note(run.precision, run.grid.device)
     if slower:
         logger.message(slower)
     logger.message("resolved config:\n" + config.to_yaml().rstrip())
@@ -338,7 +338,7 @@ def step_record(run: Any, result: Any, peak: Any) -> dict[str, Any]:
         **({"mfu_note": note} if note else {}),
         "tflops_per_device": flops_per_device / 1e12, "step_time_s": result.seconds,
         "peak_mem_bytes": peak_memory_bytes(run.grid.device), "skipped": not result.applied,
-        "loss_scale": float(run.optimizer.loss_scale) if run.fp16 else None,
+        "loss_scale": float(run.optimizer.loss_scale) if run.precision.needs_loss_scaling else None,
         **({"compile_s": result.compile_seconds} if result.compile_seconds else {}),
     }
 

@@ -35,7 +35,9 @@ class Run:
     forward_step: Any
     logged_losses: tuple[str, ...]
     """Parts of the loss averaged and logged besides ``loss`` (BERT: ``lm_loss``, ``sop_loss``...)."""
-    dtype: torch.dtype
+    precision: Any
+    """The precision policy (``mg_parallel.Precision``) the model was built, wrapped and is stepped in: the
+    activations' dtype (``compute_dtype``), whether the loss is scaled (``needs_loss_scaling``)."""
     tensor_shape: tuple[int, int, int]
     """Shape of the activations passed between pipeline stages."""
     flops_per_token: float
@@ -60,10 +62,6 @@ class Run:
     def num_micro(self) -> int:
         return self.data.micro_batches_per_step
 
-    @property
-    def fp16(self) -> bool:
-        return self.config.train.precision == "fp16"
-
 
 def stage_positions(config: RunConfig, ds_config: Any, seq: int, grid: Any) -> int:
     """Positions of the activations a pipeline stage sends: this rank's ``seq`` tokens (split over tp under
@@ -84,7 +82,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     from mg_cli.training.build import build_model_chunks, wrap_and_build_optimizer
     from mg_cli.training.data import RunData
     from mg_cli.training.families import family
-    from mg_parallel import Precision, build_grid
+    from mg_parallel import build_grid
     from mg_parallel.pipeline import get_forward_backward_func
     from mg_parallel.tensor_parallel import RNGTracker
 
@@ -94,14 +92,14 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     dims = grid.dims
     torch.manual_seed(t.seed)
     rng = RNGTracker(t.seed, grid)
-    chunks = build_model_chunks(model_cfg, config, grid, rng)
+    chunks = build_model_chunks(model_cfg, config, grid, rng, plan.precision)
     init_report = None
     if plan.pretrained is not None and load_path is None:  # weights only, before the optimizer copies them
         from mg_cli.training.pretrained import load_weights
 
         init_report = load_weights(chunks, grid, plan.pretrained)
     plan.pretrained = None  # its tensors are no longer needed
-    model, optimizer = wrap_and_build_optimizer(chunks, config, grid)
+    model, optimizer = wrap_and_build_optimizer(chunks, config, grid, plan.precision)
     start_iter = 0
     if load_path is not None:
         start_iter = resume(load_path, config, env, grid, rng, model, optimizer, saver)
@@ -121,7 +119,7 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
         forward_backward=forward_backward,
         forward_step=fam.forward_step(fmt, sentence_task=task, cp_group=grid.cp_group if grid.cp_size > 1 else None),
         logged_losses=fam.logged_losses(fmt, task),
-        dtype=Precision.from_name(t.precision).param_dtype,
+        precision=plan.precision,
         tensor_shape=(stage_positions(config, data.ds_config, seq, grid), t.micro_batch_size, model_cfg.hidden_size),
         flops_per_token=fam.flops_per_token(model_cfg, config.model.seq_length, data_format=fmt,
                                             dataset_config=data.ds_config,

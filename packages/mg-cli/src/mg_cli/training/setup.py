@@ -47,6 +47,9 @@ class Plan:
     """The architecture (``GPTConfig``, ``BertConfig`` or ``T5Config``)."""
     schedule: Any
     """The learning rate by iteration (``LRSchedule``)."""
+    precision: Any
+    """The precision policy (``mg_parallel.Precision``) of ``train.precision`` and the loss-scaling keys, made once
+    here and passed to what builds, wraps and steps the model."""
     pretrained: Any = None
     """``checkpoint.init_from``'s model (``mg_cli.training.pretrained.Pretrained``), or None."""
     labels: tuple[list[str] | None, int] | None = None
@@ -133,10 +136,26 @@ def check_config(config: RunConfig, env: Env) -> Any:
             f"model.seq_length={config.model.seq_length}{per_rank} is not divisible by parallel.tp={dims.tp}, which "
             f"parallel.sequence_parallel needs"
         )
-    if t.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise TrainingError("train.precision=bf16 but this GPU has no bf16 support; use fp16 or fp32")
     check_files(config)
     return dims
+
+
+def resolve_precision(config: RunConfig) -> Any:
+    """The run's precision policy (``mg_parallel.Precision``) from ``train.precision`` and the loss-scaling keys:
+    the one place the key becomes dtypes, a GEMM recipe and a loss scaler.
+
+    Raises:
+        TrainingError: bf16 on a GPU without bf16 support.
+    """
+    from mg_parallel.optimizer import OptimizerConfig
+
+    try:
+        precision = config.make(OptimizerConfig).precision_policy()
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    if precision.param_dtype == torch.bfloat16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise TrainingError(f"train.precision={precision.name} but this GPU has no bf16 support; use fp16 or fp32")
+    return precision
 
 
 def check_fsdp_run(config: RunConfig, dims: Any) -> None:

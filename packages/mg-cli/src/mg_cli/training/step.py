@@ -74,8 +74,8 @@ def train_step(run: Run, iteration: int, batches: Any, *, log: bool = True) -> S
     moe.start(optimizer.loss_scale, run.num_micro)
     try:
         losses = run.forward_backward(run.forward_step, batches, run.model, run.num_micro, grid,
-                                      tensor_shape=run.tensor_shape, dtype=run.dtype,
-                                      scale_loss=optimizer.scale_loss if run.fp16 else None)
+                                      tensor_shape=run.tensor_shape, dtype=run.precision.compute_dtype,
+                                      scale_loss=optimizer.scale_loss if run.precision.needs_loss_scaling else None)
     finally:
         moe.finish()
     run.saver.wait_for_snapshot()  # a background checkpoint copy must finish before the step mutates the state
@@ -109,9 +109,9 @@ def check_loss(run: Run, result: StepResult) -> None:
         TrainingError: naming the iteration and the precision.
     """
     loss = result.loss if result.loss is not None else float(result.pending_loss)
-    if not math.isfinite(loss) and not run.fp16:
+    if not math.isfinite(loss) and not run.precision.needs_loss_scaling:
         raise TrainingError(
-            f"loss is {loss} at iteration {result.iteration} ({run.config.train.precision}); lower optim.lr or check "
+            f"loss is {loss} at iteration {result.iteration} ({run.precision.name}); lower optim.lr or check "
             f"the data. Nothing was saved for this iteration"
         )
 
@@ -128,7 +128,8 @@ def evaluate(run: Run, batches: list[Any]) -> dict[str, float]:
         chunk.eval()
     with torch.no_grad():
         losses = run.forward_backward(run.forward_step, iter(batches), run.model, len(batches), run.grid,
-                                      tensor_shape=run.tensor_shape, dtype=run.dtype, forward_only=True)
+                                      tensor_shape=run.tensor_shape, dtype=run.precision.compute_dtype,
+                                      forward_only=True)
     for chunk in run.model:
         chunk.train()
         if getattr(chunk, "fully_sharded", False):

@@ -28,9 +28,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mg_parallel.precision import Precision
 
 __all__ = [
     "PUBLISHED_TFLOPS", "CompileClock", "PeakFlops", "device_name", "matmul_speed_vs_fp32", "measure_layout_rates",
@@ -290,16 +293,18 @@ def matmul_speed_vs_fp32(dtype: torch.dtype, device: torch.device) -> float:
     return step_rate(measure_layout_rates(dtype, device)) / step_rate(measure_layout_rates(torch.float32, device))
 
 
-def slower_than_fp32_note(precision: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """One line for the start of a run whose precision runs matmuls slower than fp32 here, else None.
+def slower_than_fp32_note(precision: Precision, device: torch.device) -> str | None:
+    """One line for the start of a run whose precision policy runs matmuls (in its compute dtype) slower than fp32
+    here, else None.
 
     E.g. ``"train.precision=bf16: bf16 matmuls run 0.062x fp32 on this cpu; fp32 would be faster"``
     (bf16 on a CPU without native bf16 matmul instructions, e.g. AVX2 only).
     """
-    ratio = matmul_speed_vs_fp32(dtype, device)
+    ratio = matmul_speed_vs_fp32(precision.compute_dtype, device)
     if ratio >= SLOWER_THAN_FP32:
         return None
-    return (f"train.precision={precision}: {precision} matmuls run {ratio:.2g}x fp32 on this "
+    name = precision.name
+    return (f"train.precision={name}: {name} matmuls run {ratio:.2g}x fp32 on this "
             f"{device_name(device)}; fp32 would be faster")
 
 
