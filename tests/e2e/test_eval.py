@@ -1,6 +1,6 @@
 """mg eval on a checkpoint mg train wrote, as users run it: one process, and tp2 on two processes with the
 same scores (within 1e-6) and the same greedy outputs, an lm-evaluation-harness task YAML included; a table on
-the terminal and a JSON report."""
+the terminal and a JSON report; with --set train.precision=bf16, perplexity within bf16's rounding."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def test_eval_checkpoint_one_process_and_tp2(corpus, layout_runs, tmp_path):
         for name, m in ra["metrics"].items():
             assert rb["metrics"][name]["value"] == pytest.approx(m["value"], rel=1e-6, abs=1e-6), (ra["task"], name)
         assert ra.get("outputs") == rb.get("outputs")
+    # train.precision as mg train has it: the checkpoint scored in bf16, within bf16's rounding of fp32
+    bf16 = mg("eval", "--checkpoint", str(ckpt), "--task", f"perplexity:{tmp_path / 't.jsonl'}", "--limit", "3",
+              "--stride", "16", "--set", "train.precision=bf16", "--json", str(tmp_path / "bf16.json"))
+    assert "(1 processes), bf16, " in bf16.stdout, bf16.stdout
+    c = json.loads((tmp_path / "bf16.json").read_text())
+    assert c["precision"] == "bf16" and a["precision"] == "fp32"
+    nll = c["results"][0]["metrics"]["nll_per_token"]["value"]
+    assert nll == pytest.approx(a["results"][0]["metrics"]["nll_per_token"]["value"], rel=2e-2)
 
 
 def test_eval_tasks_in_the_training_loop(corpus, tmp_path):

@@ -19,15 +19,30 @@ def _ints(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"{text!r}: write comma-separated integers, e.g. 1,10") from None
 
 
-def _layout(sets: tuple[str, ...]) -> dict[str, int]:
+def _layout(sets: list[str]) -> dict[str, int]:
     out = {}
     for s in sets:
         key, sep, value = s.partition("=")
         if key not in ("parallel.tp", "parallel.pp") or not sep or not value.isdigit():
-            raise click.ClickException(f"--set {s}: mg eval takes parallel.tp=N and parallel.pp=N "
-                                       f"(dp is processes / (tp * pp))")
+            raise click.ClickException(f"--set {s}: mg eval takes parallel.tp=N, parallel.pp=N "
+                                       f"(dp is processes / (tp * pp)) and train.precision=fp32|bf16|fp16")
         out[key.split(".")[1]] = int(value)
     return out
+
+
+def precision_and_rest(sets: tuple[str, ...], dtype: str | None, *, note: bool = True) -> tuple[str, list[str]]:
+    """``--set train.precision`` (or its alias ``--dtype``, noted on stderr when ``note``) and the other ``--set``
+    strings; a bad value or a disagreement is a one-line error."""
+    from mg_cli.config import ConfigError
+    from mg_cli.evaluation.options import PRECISION_KEY, inference_precision
+
+    try:
+        precision, rest = inference_precision(sets, dtype)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if dtype is not None and note:
+        click.echo(f"note: --dtype is an alias of --set {PRECISION_KEY}={dtype}", err=True)
+    return precision, rest
 
 
 @click.command("eval", context_settings={"show_default": True},
@@ -56,14 +71,16 @@ def _layout(sets: tuple[str, ...]) -> dict[str, int]:
 @click.option("--timeout", "timeout_s", type=float, default=10.0, help="Humaneval: seconds per program.")
 @click.option("--allow-code-execution", is_flag=True, help="Run untrusted code: humaneval's generated programs, "
               "and the Python a harness task YAML names (!function, unsafe_code).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32")
-@click.option("--set", "sets", multiple=True, help="Layout: parallel.tp=N, parallel.pp=N.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Alias of --set train.precision=DTYPE.")
+@click.option("--set", "sets", multiple=True, help="Layout: parallel.tp=N, parallel.pp=N; parameters' precision: "
+              "train.precision=fp32|bf16|fp16 (as mg train's key; default fp32).")
 @click.option("--nproc-per-node", type=int, default=1, help="Processes to start (torch.distributed.run).")
 def eval_command(checkpoint: str, tasks: tuple[str, ...], harness_tasks: tuple[str, ...],
                  tokenizer_model: str | None, limit: int | None, batch_size: int, json_path: str | None,
                  stride: int | None, max_length: int | None, target_delimiter: str, max_new_tokens: int,
                  until: tuple[str, ...], chat_template: str, num_samples: int, pass_k: str, temperature: float,
-                 seed: int, timeout_s: float, allow_code_execution: bool, dtype: str, sets: tuple[str, ...],
+                 seed: int, timeout_s: float, allow_code_execution: bool, dtype: str | None, sets: tuple[str, ...],
                  nproc_per_node: int) -> None:
     """Evaluate a checkpoint on tasks; print a results table and optionally write JSON.
 
@@ -73,6 +90,7 @@ def eval_command(checkpoint: str, tasks: tuple[str, ...], harness_tasks: tuple[s
       mg eval --checkpoint ckpt --task perplexity:data/corpus_text_document --limit 100 --stride 512
       mg eval --checkpoint hf_dir --task humaneval:HumanEval.jsonl --allow-code-execution
       mg eval --checkpoint ckpt --task cloze:lambada.jsonl --set parallel.tp=2 --nproc-per-node 2
+      mg eval --checkpoint ckpt --task perplexity:valid.jsonl --set train.precision=bf16
       mg eval --checkpoint ckpt --harness-task my_task.yaml
     """
     from mg_cli import launch
@@ -81,7 +99,8 @@ def eval_command(checkpoint: str, tasks: tuple[str, ...], harness_tasks: tuple[s
 
     if not tasks and not harness_tasks:
         raise click.UsageError("give at least one --task KIND:PATH or --harness-task NAME")
-    layout = _layout(sets)
+    precision, layout_sets = precision_and_rest(sets, dtype, note=not launch.under_launcher())  # noted once
+    layout = _layout(layout_sets)
     try:
         specs = [parse_task(t) for t in tasks]
         options = EvalOptions(limit=limit, stride=stride, target_delimiter=target_delimiter,
@@ -108,12 +127,12 @@ def eval_command(checkpoint: str, tasks: tuple[str, ...], harness_tasks: tuple[s
         sys.exit(launch.relaunch(argv, nproc_per_node=nproc_per_node, nnodes=1, node_rank=0,
                                  master_addr=None, master_port=None))
     launch.adopt_slurm_env()
-    _run(checkpoint, specs, options, harness_tasks, layout, batch_size, tokenizer_model, dtype, max_length,
+    _run(checkpoint, specs, options, harness_tasks, layout, batch_size, tokenizer_model, precision, max_length,
          json_path)
 
 
 def _run(checkpoint: str, specs: list, options: object, harness_tasks: tuple[str, ...], layout: dict[str, int],
-         batch_size: int, tokenizer_model: str | None, dtype: str, max_length: int | None,
+         batch_size: int, tokenizer_model: str | None, precision: str, max_length: int | None,
          json_path: str | None) -> None:
     from mg_ckpt import CheckpointError
     from mg_cli.evaluation.report import format_table, write_json
@@ -121,7 +140,7 @@ def _run(checkpoint: str, specs: list, options: object, harness_tasks: tuple[str
 
     try:
         report = run_eval(checkpoint, specs, options, harness_tasks=harness_tasks, layout=Layout(**layout),
-                          batch_size=batch_size, tokenizer_model=tokenizer_model, dtype=dtype,
+                          batch_size=batch_size, tokenizer_model=tokenizer_model, precision=precision,
                           max_length=max_length)
     except (ValueError, OSError, CheckpointError, ImportError) as e:
         raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
@@ -129,7 +148,7 @@ def _run(checkpoint: str, specs: list, options: object, harness_tasks: tuple[str
         return
     lay = report["layout"]
     click.echo(f"mg eval: {checkpoint} at tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
-               f"({lay['processes']} processes), {report['elapsed_s']:.1f} s")
+               f"({lay['processes']} processes), {report['precision']}, {report['elapsed_s']:.1f} s")
     click.echo(format_table(report["results"]))
     for r in report["results"]:
         for note in r.get("notes", []):

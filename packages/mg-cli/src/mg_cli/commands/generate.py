@@ -15,8 +15,9 @@ def _encoder_only(where: str, family: str) -> click.ClickException:
                                 f"use a GPT or T5 checkpoint")
 
 
-def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]:
-    """``(model, checkpoint state or {}, decoder start id if recorded)``; each file's metadata read once."""
+def _load(checkpoint: str, precision: Any) -> tuple[Any, dict[str, Any], int | None]:
+    """``(model, checkpoint state or {}, decoder start id if recorded)``, the model built in ``precision`` (an
+    ``mg_parallel.Precision``); each file's metadata read once."""
     from mg_models.family import family_for_hf, get_family
     from mg_models.loading import checkpoint_family, is_mg_checkpoint, load_model, source_config
 
@@ -25,7 +26,7 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]
         family = checkpoint_family(extra)
         if get_family(family).kind == "encoder":
             raise _encoder_only(checkpoint, family)
-        model = load_model(checkpoint, config=config, dtype=dtype, inference=True).model
+        model = load_model(checkpoint, config=config, precision=precision, inference=True).model
         start = extra.get("decoder_start_token_id")
         return model, extra, None if start is None else int(start)
     cfg_file = Path(checkpoint) / "config.json"
@@ -37,7 +38,7 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{checkpoint} is neither a Hugging Face model directory (no config.json) nor an mg "
                                 f"checkpoint")
-    return load_model(checkpoint, dtype=dtype, inference=True).model, {}, start
+    return load_model(checkpoint, precision=precision, inference=True).model, {}, start
 
 
 @click.command("generate", context_settings={"show_default": True})
@@ -57,10 +58,13 @@ def _load(checkpoint: str, dtype: Any) -> tuple[Any, dict[str, Any], int | None]
               help="Also stop a prompt after this token, e.g. '<|im_end|>' (repeat for several); the text must "
                    "encode to exactly one token.")
 @click.option("--json", "as_json", is_flag=True, help="Print token ids and per-token log-probabilities as JSON.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="train.precision=fp32|bf16|fp16: the parameters' precision (as mg train's key; default fp32).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Alias of --set train.precision=DTYPE.")
 def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, ...], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, seed: int, stop_at_eod: bool,
-             stop_tokens: tuple[str, ...], as_json: bool, dtype: str) -> None:
+             stop_tokens: tuple[str, ...], as_json: bool, sets: tuple[str, ...], dtype: str | None) -> None:
     """Generate text from PROMPTs with a KV cache.
 
     GPT models continue the prompt. T5 models encode the prompt and decode a new text from the
@@ -70,21 +74,27 @@ def generate(checkpoint: str, tokenizer_model: str | None, prompts: tuple[str, .
     Examples:
       mg generate --checkpoint runs/demo/checkpoints --prompt "def main("
       mg generate --checkpoint ckpt --prompt "import os" --temperature 0.8 --top-p 0.9 --json
+      mg generate --checkpoint ckpt --prompt "def main(" --set train.precision=bf16
       mg generate --checkpoint t5-ckpt --prompt "translate English to German: hello" --json
       mg generate --checkpoint sft-ckpt --prompt $'<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n' \\
                   --stop-token '<|im_end|>'
     """
-    import torch
+    from mg_cli.commands.eval import precision_and_rest
 
+    name, others = precision_and_rest(sets, dtype)
+    if others:
+        keys = ", ".join(dict.fromkeys(s.partition("=")[0] for s in others))
+        raise click.ClickException(f"--set {keys}: mg generate takes only --set train.precision=fp32|bf16|fp16")
     from mg_ckpt import CheckpointError
     from mg_cli.training.families import pad_id
     from mg_data import build_tokenizer
     from mg_models import SamplingConfig, generate_seq2seq
     from mg_models import generate as run_generate
     from mg_models.family import family_of
+    from mg_parallel.precision import Precision
 
     try:
-        model, extra, start_id = _load(checkpoint, torch.bfloat16 if dtype == "bf16" else None)
+        model, extra, start_id = _load(checkpoint, Precision.from_name(name))
         tokenizer_model = tokenizer_model or extra.get("tokenizer_model")
         if tokenizer_model is None:
             raise click.ClickException("--tokenizer-model is required (the checkpoint records none)")

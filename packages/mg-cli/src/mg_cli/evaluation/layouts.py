@@ -17,19 +17,21 @@ import torch
 import torch.distributed as dist
 
 from mg_cli.evaluation.runner import ModelRunner, decoder_start_token_id, load_model
+from mg_parallel.precision import Precision
 
 __all__ = ["PipelineRunner", "build_runner"]
 
 
-def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, precision: Precision | str | None = None,
                  max_length: int | None = None) -> tuple[Any, dict[str, Any], dict[str, int]]:
-    """``(runner, checkpoint state, {"rank", "tp", "pp", "dp", "processes"})`` for this process.
+    """``(runner, checkpoint state, {"rank", "tp", "pp", "dp", "processes"})`` for this process, its model built in
+    ``precision`` (an ``mg_parallel.Precision`` or its name; None: the default dtype).
 
     Without ``torch.distributed`` variables (one process) the whole model runs here; otherwise the
     default process group is joined and the grid built with dp = world / (tp * pp).
 
     Raises:
-        ValueError: a layout that does not fit the world size or the model.
+        ValueError: a layout that does not fit the world size or the model, an unknown precision name.
     """
     from mg_cli.training.setup import init_distributed, read_env
 
@@ -37,7 +39,7 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
     if env.world_size == 1 and tp == pp == 1:
         from mg_parallel.device import local_device
 
-        model, extra = load_model(checkpoint, dtype=dtype, device=local_device())
+        model, extra = load_model(checkpoint, precision=precision, device=local_device())
         return (ModelRunner(model, max_length=max_length, decoder_start_token_id=decoder_start_token_id(checkpoint, extra)), extra,
                 {"rank": 0, "tp": 1, "pp": 1, "dp": 1, "processes": 1})
     if env.world_size % (tp * pp):
@@ -55,7 +57,7 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
         raise ValueError(f"parallel.pp={pp}: mg eval does not split {family_of(config).name.upper()} into pipeline "
                          f"stages; use parallel.pp=1 with tensor or data parallelism")
     grid = build_grid(ParallelDims(tp=tp, pp=pp))
-    loaded = build_and_load(checkpoint, config=config, grid=grid, dtype=dtype, inference=True)
+    loaded = build_and_load(checkpoint, config=config, grid=grid, precision=precision, inference=True)
     model, extra = loaded.model, loaded.extra
     info = {"rank": grid.rank, "tp": tp, "pp": pp, "dp": grid.dp_size, "processes": grid.world_size}
     cls = PipelineRunner if pp > 1 else ModelRunner

@@ -1,10 +1,47 @@
-"""``EvalOptions``: how ``mg eval`` runs its tasks (no torch import, so ``mg eval --help`` stays instant)."""
+"""``EvalOptions``: how ``mg eval`` runs its tasks, and the precision key ``mg eval`` and ``mg generate`` share with
+``mg train`` (no torch import, so ``--help`` stays instant)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["EvalOptions"]
+__all__ = ["PRECISION_KEY", "EvalOptions", "inference_precision"]
+
+PRECISION_KEY = "train.precision"
+"""The key that sets the model's precision, as in ``mg train``'s configuration."""
+
+
+def inference_precision(sets: Sequence[str], dtype: str | None) -> tuple[str, list[str]]:
+    """The precision name ``--set train.precision=NAME`` (or its alias ``--dtype NAME``) asks for, ``fp32`` when
+    neither is given, and the other ``--set`` strings, in order, for the command to read.
+
+    The value is parsed and checked as ``mg train`` checks the key (a YAML value, one of ``fp32``, ``bf16``,
+    ``fp16``), so a bad one reads the same in every command; the last ``--set`` of the key wins.
+
+    Raises:
+        mg_cli.config.ConfigError: a bad value (``--set: train.precision='fp8' is not one of ...``), or ``--dtype``
+            and ``--set train.precision`` given with different values.
+    """
+    from mg_cli.config import ConfigError, parse_override
+    from mg_cli.schema import check_type
+    from mg_cli.sections import SCHEMA
+
+    section, leaf = PRECISION_KEY.split(".")
+    key_type = SCHEMA.keys(section)[leaf].type
+    chosen, others = None, []
+    for text in sets:
+        if text.partition("=")[0].strip() != PRECISION_KEY or "=" not in text:
+            others.append(text)
+            continue
+        try:
+            chosen = check_type(parse_override(text)[2], key_type, PRECISION_KEY)
+        except ConfigError as e:
+            raise ConfigError(f"--set: {e}") from None
+    if dtype is not None and chosen is not None and dtype != chosen:
+        raise ConfigError(f"--dtype {dtype} and --set {PRECISION_KEY}={chosen} disagree; --dtype is an alias of "
+                          f"--set {PRECISION_KEY}, give one of them")
+    return str(chosen or dtype or "fp32"), others
 
 
 @dataclass(kw_only=True)

@@ -6,11 +6,14 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mg_cli.evaluation.evaluate import Evaluator
 from mg_cli.evaluation.options import EvalOptions
 from mg_cli.evaluation.tasks import TaskSpec
+
+if TYPE_CHECKING:
+    from mg_parallel.precision import Precision
 
 __all__ = ["Layout", "run_eval"]
 
@@ -32,33 +35,33 @@ class Layout:
 
 def run_eval(checkpoint: str | os.PathLike[str], tasks: Sequence[TaskSpec], options: EvalOptions | None = None, *,
              harness_tasks: Sequence[str] = (), layout: Layout | None = None, batch_size: int = 8,
-             tokenizer_model: str | None = None, dtype: str = "fp32", max_length: int | None = None,
+             tokenizer_model: str | None = None, precision: Precision | str = "fp32", max_length: int | None = None,
              show_progress: bool = True) -> dict[str, Any]:
     """Evaluate ``checkpoint`` (an mg checkpoint of any layout, or a Hugging Face directory) on ``tasks``.
 
     Runs in one process, or on every rank of a ``torch.distributed`` job (started by ``torchrun`` or
-    ``mg eval --nproc-per-node``) at ``layout``; every rank returns the same report.
+    ``mg eval --nproc-per-node``) at ``layout``; every rank returns the same report. ``precision`` is the
+    ``mg_parallel.Precision`` (or its name, ``train.precision``'s values) the model is built in.
 
     Returns:
-        ``{"checkpoint", "tokenizer", "layout", "model_config", "options", "results": [...], "elapsed_s"}``,
-        one result per task (see :mod:`mg_cli.evaluation.evaluate`) then per harness task.
+        ``{"checkpoint", "tokenizer", "layout", "precision", "model_config", "options", "results": [...],
+        "elapsed_s"}``, one result per task (see :mod:`mg_cli.evaluation.evaluate`) then per harness task.
 
     Raises:
-        TaskFileError: a malformed task file. ValueError: bad options, a task the model cannot run.
-        mg_ckpt.CheckpointError, FileNotFoundError: an unreadable checkpoint.
+        TaskFileError: a malformed task file. ValueError: bad options, a task the model cannot run, an unknown
+            precision name. mg_ckpt.CheckpointError, FileNotFoundError: an unreadable checkpoint.
     """
-    import torch
-
     from mg_cli.evaluation.layouts import build_runner
     from mg_cli.evaluation.lm import LMScorer
     from mg_cli.evaluation.report import progress_bar, silent_progress
     from mg_data import build_tokenizer
+    from mg_parallel.precision import Precision
 
     options = options or EvalOptions()
     layout = layout or Layout()
     start = time.monotonic()
-    torch_dtype = {"fp32": None, "bf16": torch.bfloat16}[dtype]
-    runner, extra, info = build_runner(checkpoint, tp=layout.tp, pp=layout.pp, dtype=torch_dtype,
+    precision = Precision.resolve(precision)
+    runner, extra, info = build_runner(checkpoint, tp=layout.tp, pp=layout.pp, precision=precision,
                                        max_length=max_length)
     from mg_cli.evaluation.runner import default_tokenizer
 
@@ -76,7 +79,7 @@ def run_eval(checkpoint: str | os.PathLike[str], tasks: Sequence[TaskSpec], opti
         results += run_harness_tasks(scorer, harness_tasks, limit=options.limit, batch_size=batch_size,
                                      allow_code_execution=options.allow_code_execution)
     return {"checkpoint": os.fspath(checkpoint), "tokenizer": str(tokenizer_model),
-            "layout": {k: info[k] for k in ("tp", "pp", "dp", "processes")}, "dtype": dtype,
+            "layout": {k: info[k] for k in ("tp", "pp", "dp", "processes")}, "precision": precision.name,
             "model_config": runner.config.to_dict() if hasattr(runner.config, "to_dict") else str(runner.config),
             "context_length": runner.max_length, "batch_size": batch_size, "options": asdict(options),
             "results": results, "elapsed_s": round(time.monotonic() - start, 3)}

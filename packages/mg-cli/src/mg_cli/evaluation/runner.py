@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from mg_models.family import ModelFamily, family_of
+from mg_parallel.precision import Precision
 
 __all__ = ["ModelRunner", "default_tokenizer", "load_model"]
 
@@ -25,17 +26,18 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def load_model(checkpoint: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+def load_model(checkpoint: str | os.PathLike[str], *, precision: Precision | str | None = None,
                device: torch.device | str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``(single-process model, checkpoint state)`` of an mg checkpoint (any family and layout) or a Hugging
-    Face directory (state ``{}``).
+    Face directory (state ``{}``), built in ``precision`` (an ``mg_parallel.Precision`` or its name; None: the
+    default dtype).
 
     Raises:
         FileNotFoundError, ValueError, mg_ckpt.CheckpointError: as :func:`mg_models.loading.load_model`.
     """
     from mg_models.loading import load_model as build_and_load
 
-    loaded = build_and_load(checkpoint, dtype=dtype, device=device, inference=True)
+    loaded = build_and_load(checkpoint, precision=precision, device=device, inference=True)
     return loaded.model, loaded.extra
 
 
