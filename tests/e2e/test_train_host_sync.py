@@ -33,9 +33,9 @@ def reads(monkeypatch):
 
 def test_unlogged_steps_read_nothing_back(corpus, tmp_path, reads):
     from mg_ckpt import CheckpointSaver
+    from mg_cli.job import Env
     from mg_cli.training.loop import preflight
     from mg_cli.training.run import build_run
-    from mg_cli.training.setup import Env
     from mg_cli.training.step import check_loss, train_step
 
     counts, state = reads

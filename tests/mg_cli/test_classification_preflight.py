@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from mg_cli.config import load_config
+from mg_cli.job import Env
 from mg_cli.training import data as data_module
 from mg_cli.training.data import RunData
 from mg_cli.training.loop import preflight
-from mg_cli.training.setup import Env
 from mg_data import train_sentencepiece
 from mg_parallel.grid import ProcessGrid
 

@@ -142,7 +142,7 @@ class EvalKeys:
         if self.interval < 0 or self.iters < 0:
             raise ConfigError(f"eval.interval and eval.iters must be >= 0, got {self.interval}, {self.iters}")
         if not self.allow_code_execution:
-            from mg_cli.evaluation.tasks import parse_task
+            from mg_cli.task_specs import parse_task
 
             for text in self.tasks:
                 try:

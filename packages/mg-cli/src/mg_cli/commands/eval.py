@@ -137,12 +137,13 @@ def _run(checkpoint: str, specs: list, options: object, harness_tasks: tuple[str
     from mg_ckpt import CheckpointError
     from mg_cli.evaluation.report import format_table, write_json
     from mg_cli.evaluation.run import Layout, run_eval
+    from mg_cli.job import JobEnvError
 
     try:
         report = run_eval(checkpoint, specs, options, harness_tasks=harness_tasks, layout=Layout(**layout),
                           batch_size=batch_size, tokenizer_model=tokenizer_model, precision=precision,
                           max_length=max_length)
-    except (ValueError, OSError, CheckpointError, ImportError) as e:
+    except (ValueError, OSError, CheckpointError, ImportError, JobEnvError) as e:
         raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     if os.environ.get("RANK", "0") != "0":
         return

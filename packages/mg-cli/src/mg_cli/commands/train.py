@@ -72,12 +72,13 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
 
     if (nproc_per_node > 1 or nnodes > 1) and not launch.under_launcher():
         def preflight() -> None:  # fail once, in one line, before starting any worker
+            from mg_cli.job import JobEnvError
             from mg_cli.training import TrainingError, preflight_for
 
             config = checked_config()
             try:
                 preflight_for(config, nproc_per_node * nnodes)
-            except (TrainingError, ConfigError) as e:
+            except (TrainingError, JobEnvError, ConfigError) as e:
                 raise click.ClickException(str(e)) from None
 
         argv = ["train"]
@@ -94,6 +95,7 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
     config = checked_config()
     launch.adopt_slurm_env()
 
+    from mg_cli.job import JobEnvError
     from mg_cli.training import TrainingError, run_training
 
     if stop is None:
@@ -104,7 +106,7 @@ def train(config_path: Path | None, overrides: tuple[str, ...], resume: bool, np
     stop.usr1_continues = config.checkpoint.on_signal == "save_and_continue"
     try:
         summary = run_training(config, resume=resume, stop=stop)
-    except (TrainingError, ConfigError) as e:
+    except (TrainingError, JobEnvError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     finally:
         stop.restore()

@@ -33,7 +33,7 @@ def build_runner(checkpoint: str | os.PathLike[str], *, tp: int = 1, pp: int = 1
     Raises:
         ValueError: a layout that does not fit the world size or the model, an unknown precision name.
     """
-    from mg_cli.training.setup import init_distributed, read_env
+    from mg_cli.job import init_distributed, read_env
 
     env = read_env()
     if env.world_size == 1 and tp == pp == 1:

@@ -12,8 +12,8 @@ def run_training(*args, **kwargs):  # noqa: ANN002, ANN003
 
 def preflight_for(config, world_size: int):  # noqa: ANN001, ANN201
     """Run the pre-launch checks as a job of ``world_size`` processes would (see ``loop.preflight``)."""
+    from mg_cli.job import Env
     from mg_cli.training.loop import preflight
-    from mg_cli.training.setup import Env
 
     return preflight(config, Env(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size))
 

@@ -13,13 +13,11 @@ from typing import Any
 import torch.distributed as dist
 
 from mg_cli.config import RunConfig
+from mg_cli.job import Env, init_distributed, read_env
 from mg_cli.training.setup import (
-    Env,
     Plan,
     TrainingError,
     check_config,
-    init_distributed,
-    read_env,
     resolve_precision,
     set_threads,
 )

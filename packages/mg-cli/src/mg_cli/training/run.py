@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mg_cli.config import RunConfig
-from mg_cli.training.setup import Env, Plan, TrainingError
+from mg_cli.job import Env
+from mg_cli.training.setup import Plan, TrainingError
+
+
+@dataclass
+class StepInterval:
+    """The steps since the last logged one: how many, their wall time, the compile clock when they began."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    compile_mark: float = 0.0
 
 
 @dataclass
@@ -55,8 +65,8 @@ class Run:
     """``MoEStep``: the MoE layers' per-step bookkeeping (aux-loss scale, expert bias, routing metrics)."""
     compile_clock: Any = None
     """``train.compile``: the ``CompileClock`` whose seconds the steps leave out of their time."""
-    interval: Any = None
-    """``StepInterval``: the steps since the last logged one."""
+    interval: StepInterval = field(default_factory=StepInterval)
+    """The steps since the last logged one."""
 
     @property
     def num_micro(self) -> int:
@@ -130,9 +140,6 @@ def build_run(config: RunConfig, env: Env, plan: Plan, load_path: str | None, sa
     from mg_cli.training.moe import MoEStep
 
     run.moe = MoEStep(run)
-    from mg_cli.training.step import StepInterval
-
-    run.interval = StepInterval()
     if config.train.compile:
         from mg_cli.training.throughput import CompileClock
 

@@ -1,4 +1,4 @@
-"""Process start-up for a training run: torch.distributed, threads, and checks before any collective.
+"""Process start-up for a training run: threads and checks before any collective (the job itself: mg_cli.job).
 
 Every check here uses only the config, the environment and the files, so every rank reaches the
 same verdict and fails with the same one-line message before the first collective (no rank is
@@ -7,33 +7,18 @@ left waiting on one that exited).
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mg_cli.config import RunConfig
+from mg_cli.job import Env
 
 
 class TrainingError(RuntimeError):
     """A user-facing training failure with a one-line message naming the cause and the fix."""
-
-
-@dataclass
-class Env:
-    """This process's place in the job, from the launcher's environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass
@@ -61,43 +46,11 @@ class Plan:
     None (the run builds them)."""
 
 
-def read_env() -> Env:
-    """Rank and world size from torchrun's/Slurm's variables (a single process without them)."""
-    def num(name: str, default: int) -> int:
-        value = os.environ.get(name)
-        if value is None:
-            return default
-        try:
-            return int(value)
-        except ValueError:
-            raise TrainingError(f"environment variable {name}={value!r} is not an integer") from None
-
-    world = num("WORLD_SIZE", 1)
-    return Env(rank=num("RANK", 0), world_size=world, local_rank=num("LOCAL_RANK", 0),
-               local_world_size=num("LOCAL_WORLD_SIZE", world))
-
-
 def set_threads(config: RunConfig, env: Env) -> int:
     """Intra-op threads: ``train.threads`` or the cores shared evenly among this node's processes."""
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
     torch.set_num_threads(threads)
     return threads
-
-
-def init_distributed(env: Env, timeout_s: float = 600.0) -> None:
-    """Join the job's default process group (NCCL on CUDA, gloo on CPU).
-
-    A collective that waits longer than ``timeout_s`` fails instead of hanging, so a dead rank
-    ends the job.
-    """
-    if env.world_size <= 1 or dist.is_initialized():
-        return
-    from mg_parallel.device import default_backend, local_device
-
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(local_device())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def check_config(config: RunConfig, env: Env) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mg_cli.training.run import Run
+from mg_cli.training.run import Run, StepInterval
 from mg_cli.training.setup import TrainingError
 
 
@@ -38,15 +38,6 @@ class StepResult:
     """Time ``torch.compile`` took in those steps (``train.compile``: the first steps, and any recompilation)."""
     pending_loss: Any = None
     """An unlogged step's loss, on the device."""
-
-
-@dataclass
-class StepInterval:
-    """The steps since the last logged one: how many, their wall time, the compile clock when they began."""
-
-    steps: int = 0
-    seconds: float = 0.0
-    compile_mark: float = 0.0
 
 
 def train_step(run: Run, iteration: int, batches: Any, *, log: bool = True) -> StepResult:
