@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.zygote import Zygote
+from tests.e2e.zygote import Zygote, ZygoteProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,13 +35,18 @@ def stdlib_corpus(out: Path, max_bytes: int) -> Path:
 _ZYGOTE = Zygote()
 
 
+def _mg_env(env: dict | None) -> dict[str, str]:
+    """The environment of an ``mg`` command: this process's, unbuffered output, then ``env``."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def mg(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600,
        check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run ``python -m mg_cli.main ARGS`` as a process of its own and return it completed (text output).
 
     The process is forked from a server that has imported torch and mg already (see ``zygote.py``); ``fresh``
     starts a new interpreter instead."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = _mg_env(env)
     if fresh:
         proc = subprocess.run([sys.executable, "-m", "mg_cli.main", *args], cwd=cwd, env=full_env,
                               capture_output=True, text=True, timeout=timeout)
@@ -52,6 +57,14 @@ def mg(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: fl
         raise AssertionError(f"mg {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def mg_start(*args: str, stdout: Path | str, stderr: Path | None = None, cwd: Path | None = None,
+             env: dict | None = None) -> ZygoteProcess:
+    """Start ``python -m mg_cli.main ARGS`` as ``mg()`` runs it, in a session of its own, and return at once with
+    a ``subprocess.Popen``-like handle (see ``zygote.ZygoteProcess``). Its stdout goes to the file ``stdout``
+    (``os.devnull`` to drop it), its stderr to ``stderr`` or, when None, to ``stdout`` too."""
+    return _ZYGOTE.popen(list(args), _mg_env(env), cwd, Path(stdout), stderr)
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

@@ -8,15 +8,13 @@ trainer and its loader workers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import processes_with_marker, tiny_args, train_losses
+from tests.e2e.conftest import mg_start, processes_with_marker, tiny_args, train_losses
 
 ITERS = 4
 
@@ -28,12 +26,11 @@ def _without_workers_setting(args: list[str]) -> list[str]:
     return args[:i - 1] + args[i + 1:]
 
 
-def _run_counting_processes(args: list[str]) -> tuple[str, int]:
-    """Run ``mg ARGS``; return its output and the most processes of the run seen at once."""
+def _run_counting_processes(args: list[str], output: Path) -> tuple[str, int]:
+    """Run ``mg ARGS`` (its output to the file ``output``); return its output and the most processes of the run
+    seen at once."""
     marker = f"workers-{uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MG_RUN_ID": marker}
-    proc = subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = mg_start(*args, stdout=output, env={"MG_RUN_ID": marker})
     most = 0
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
@@ -59,7 +56,7 @@ def test_loader_workers_keep_the_losses_of_loading_in_process(workers, corpus, l
         assert workers > 0, "the default loads in the training process; this test is about worker processes"
     else:
         args += ["--set", f"data.num_workers={workers}"]
-    out, most = _run_counting_processes(args)
+    out, most = _run_counting_processes(args, tmp_path / "out.txt")
     assert most >= 1 + workers, f"expected the trainer and {workers} loader workers, saw {most} processes"
     losses = train_losses(tmp_path / "log")
     assert sorted(losses) == list(range(1, ITERS + 1)), out[-3000:]

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.e2e.conftest import mg, read_metrics, tiny_args, train_losses
+from tests.e2e.conftest import mg, mg_start, read_metrics, tiny_args, train_losses
 
 
 @pytest.mark.parametrize(
@@ -58,9 +56,7 @@ def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
     """A rank killed mid-run ends the job non-zero in one line naming it; the other rank, whose collective fails,
     prints nothing of its own failure."""
     args = tiny_args(corpus, tmp_path, iters=100000) + ["--nproc-per-node", "2"]
-    stderr = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.DEVNULL,
-                            stderr=stderr, start_new_session=True)
+    proc = mg_start(*args, stdout=os.devnull, stderr=tmp_path / "stderr.txt")
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not ((tmp_path / "metrics.jsonl").exists() and read_metrics(tmp_path)):
@@ -73,12 +69,11 @@ def test_killed_rank_ends_the_job_nonzero(corpus, tmp_path):
         code = proc.wait(timeout=180)
         assert code != 0
         assert time.monotonic() - start < 120
-        err = (tmp_path / "stderr.txt").read_text()
+        err = proc.read_stderr()
         lines = [line for line in err.splitlines() if line.strip()]
         assert lines[-1] == f"Error: rank 1 (pid {victim}) was killed by SIGKILL", err[-3000:]
         assert "Traceback" not in err and "FAILED" not in err, err[-3000:]
     finally:
-        stderr.close()
         # The launcher starts workers in sessions of their own: stop every descendant, not just its group.
         for pid in _descendants(proc.pid):
             try:
@@ -145,8 +140,7 @@ def test_two_nodes_on_one_machine(corpus, tmp_path):
     for node in (0, 1):
         args = tiny_args(corpus, tmp_path / f"node{node}", iters=6) + [
             "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port]
-        procs.append(subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(mg_start(*args, stdout=tmp_path / f"node{node}.txt"))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "mg train: 2 processes, tp=1 pp=1 dp=2" in outs[0]

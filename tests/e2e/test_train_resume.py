@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.e2e.conftest import mg, read_metrics, tiny_args, train_losses
+from tests.e2e.conftest import mg, mg_start, read_metrics, tiny_args, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +62,7 @@ def test_changed_layout_within_tolerance(corpus, straight, tmp_path, nproc, sets
 def test_sigterm_saves_and_resumes(corpus, tmp_path):
     log, ckpt = tmp_path / "log", tmp_path / "ckpt"
     args = tiny_args(corpus, log, f"checkpoint.save={ckpt}", iters=100000)
-    proc = subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = mg_start(*args, stdout=tmp_path / "out.txt")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if (log / "metrics.jsonl").exists() and len(read_metrics(log)) >= 3:

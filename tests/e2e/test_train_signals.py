@@ -12,8 +12,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 
 from tests.e2e.conftest import (
     mg,
+    mg_start,
     processes_with_marker,
     read_checkpoint,
     read_metrics,
@@ -46,11 +45,8 @@ class Job:
         args = tiny_args(corpus, self.log, f"checkpoint.save={self.ckpt}", "optim.decay_iters=20", *sets, *extra,
                          iters=1000)
         self.out_path = root / "out.txt"
-        self._out = open(self.out_path, "w")  # noqa: SIM115 - closed in finish()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mg_cli.main", *args, "--nproc-per-node", str(nproc)], stdout=self._out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "MG_RUN_ID": self.marker})
+        self.proc = mg_start(*args, "--nproc-per-node", str(nproc), stdout=self.out_path,
+                             env={"MG_RUN_ID": self.marker})
 
     def wait_for_iterations(self, n: int, timeout: float = 300) -> int:
         """Block until ``n`` iterations are logged (more may be); returns the number logged."""
@@ -103,13 +99,9 @@ class Job:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if not self._out.closed:
-            self._out.close()
 
     def output(self) -> str:
-        if not self._out.closed:
-            self._out.flush()
-        return self.out_path.read_text()
+        return self.proc.read_stdout()
 
 
 def assert_no_survivors(job: Job, within: float = 10.0) -> None:
@@ -223,10 +215,9 @@ def test_slurm_tasks_save_and_stop_on_usr1(corpus, tmp_path):
         port = str(sock.getsockname()[1])
     tasks = []
     for rank in range(2):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MG_RUN_ID": marker, "SLURM_PROCID": str(rank),
-               "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        tasks.append(subprocess.Popen([sys.executable, "-m", "mg_cli.main", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True))
+        env = {"MG_RUN_ID": marker, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        tasks.append(mg_start(*args, stdout=tmp_path / f"task{rank}.txt", env=env))
     try:
         deadline = time.monotonic() + 300
         while not ((log / "metrics.jsonl").exists() and len(train_losses(log)) >= 3):
