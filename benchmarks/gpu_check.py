@@ -51,8 +51,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 PUBLISHED_PEAK_TFLOPS = 989.0  # H100/H200 SXM, dense bf16 (what mg train's MFU divides by there)
 BUDGET_S = 480.0  # a GPU run, all parts
-LIMIT_S = {  # part: (GPU run, dry run); on a GPU train runs last, with at most this and what the budget leaves
-    "unit": (60, 20), "checkpoint": (40, 15), "generate": (60, 30), "multi_gpu": (60, 45), "train": (330, 120),
+LIMIT_S = {  # part: (GPU run, dry run); on a GPU train runs last, with at most this and what the budget leaves.
+    # A dry run checks the set-up, not the speed: its limits leave room for a CPU shared with other jobs (CI).
+    "unit": (60, 60), "checkpoint": (40, 60), "generate": (60, 90), "multi_gpu": (60, 120), "train": (330, 360),
 }
 ORDER = ("unit", "checkpoint", "generate", "multi_gpu", "train")
 DRY_UNIT = ("tests/mg_parallel/test_device.py",)  # a few seconds on a CPU
@@ -261,7 +262,7 @@ TRAIN_PLAN = {  # micro-batches tried, global batch, iterations (eager, compiled
     # precision; time cap of one eager / compiled run, and the time a run needs left to be started
     False: dict(micro_batches=(1, 2, 4, 8), global_batch=8, iters=(6, 8), skip=2, precision="bf16", cap=(75, 180),
                 needs=(25, 90)),
-    True: dict(micro_batches=(1, 2), global_batch=2, iters=(4, 4), skip=2, precision="fp32", cap=(40, 70),
+    True: dict(micro_batches=(1, 2), global_batch=2, iters=(4, 4), skip=2, precision="fp32", cap=(120, 200),
                needs=(10, 20)),
 }
 MIN_GAIN = 1.03  # the search stops when a larger micro-batch gains less than this in tokens/s
