@@ -7,9 +7,6 @@ import datetime
 import os
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 __all__ = ["Env", "JobEnvError", "init_distributed", "read_env"]
 
 
@@ -53,6 +50,9 @@ def init_distributed(env: Env, timeout_s: float = 600.0) -> None:
     A collective that waits longer than ``timeout_s`` fails instead of hanging, so a dead rank
     ends the job.
     """
+    import torch
+    import torch.distributed as dist
+
     if env.world_size <= 1 or dist.is_initialized():
         return
     from mg_parallel.device import default_backend, local_device

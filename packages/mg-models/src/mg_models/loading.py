@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mg_ckpt import CheckpointReader, ShardedTensor, load_checkpoint
 from mg_models.family import FamilyError, ModelFamily, StageSpec, family_of, get_family
@@ -182,6 +181,11 @@ def split_tied(pieces: Mapping[str, ShardedTensor]) -> tuple[dict[str, ShardedTe
     return main, tied
 
 
+def _param_name(key: str) -> str:
+    """The parameter name of a :func:`model_pieces` key (no prefix, no ``#tied``)."""
+    return key.removeprefix(MODEL_PREFIX).split("#")[0]
+
+
 def copy_from_unsharded(chunks: list[torch.nn.Module], grid: ProcessGrid, state: Mapping[str, torch.Tensor]
                         ) -> tuple[set[str], list[str]]:
     """Copy this rank's block of each parameter of ``chunks`` from ``state`` (unsharded tensors by mg name; a tied
@@ -195,7 +199,7 @@ def copy_from_unsharded(chunks: list[torch.nn.Module], grid: ProcessGrid, state:
     """
     used, missing = set(), []
     for key, piece in model_pieces(chunks, grid, for_load=True).items():
-        name = key.removeprefix(MODEL_PREFIX).split("#")[0]
+        name = _param_name(key)
         source = state.get(name)
         if source is None:
             missing.append(name)
@@ -294,20 +298,19 @@ def fill_model(chunks: list[torch.nn.Module], grid: ProcessGrid, source: str | o
     reader = CheckpointReader(os.fspath(source), verify=False)
     held = {n.removeprefix(MODEL_PREFIX): shape for n, (shape, _) in reader.specs.items() if n.startswith(MODEL_PREFIX)}
     pieces = model_pieces(chunks, grid, for_load=True)
-    missing = [k.removeprefix(MODEL_PREFIX).split("#")[0] for k in pieces
-               if k.removeprefix(MODEL_PREFIX).split("#")[0] not in held]
+    missing = [_param_name(k) for k in pieces if _param_name(k) not in held]
     if strict and missing:
         raise ValueError(f"{reader.path}: the model has parameters the checkpoint lacks: {missing[:5]}")
     for key, piece in pieces.items():
-        name = key.removeprefix(MODEL_PREFIX).split("#")[0]
+        name = _param_name(key)
         if name in held and tuple(held[name]) != tuple(piece.global_shape):
             raise ValueError(f"{name} has shape {tuple(held[name])} but {tuple(piece.global_shape)} in this model")
-    pieces = {k: v for k, v in pieces.items() if k.removeprefix(MODEL_PREFIX).split("#")[0] in held}
+    pieces = {k: v for k, v in pieces.items() if _param_name(k) in held}
     main, tied = split_tied(pieces)
     load_checkpoint(reader.path, main)
-    if dist.is_initialized() or tied:  # collective: every rank takes part, also those without a tied copy
+    if grid.world_size > 1 or tied:  # collective: every rank takes part, also those without a tied copy
         load_checkpoint(reader.path, tied, verify=False)
-    used = {k.removeprefix(MODEL_PREFIX).split("#")[0] for k in pieces}
+    used = {_param_name(k) for k in pieces}
     return LoadedModel(chunks, config, family, extra=dict(reader.extra), used=used, missing=missing,
                        source_names=set(held))
 
